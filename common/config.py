@@ -1,0 +1,79 @@
+"""Engine configuration: one dataclass, built from launch.py flags, sent to the engine as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # a local Hugging Face directory (config.json + safetensors + tokenizer)
+    served_model_name: str = ""
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: CPU default or a fraction of free CUDA memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own limit
+    batching: str = "continuous"  # continuous | static
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be continuous or static, not {self.batching!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model_dir: str) -> EngineConfig:
+        return cls(
+            model=model_dir,
+            served_model_name=args.served_model_name or "",
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            batching=args.batching,
+            enable_chunked_prefill=not args.no_enable_chunked_prefill,
+            seed=args.seed,
+        )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags named as vLLM names them, where vLLM has one."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="KV cache size in bytes (default: 2 GiB on CPU, "
+                             "80%% of free memory on CUDA)")
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--batching", default="continuous", choices=["continuous", "static"])
+    engine.add_argument("--no-enable-chunked-prefill", action="store_true")
+    engine.add_argument("--seed", type=int, default=0)

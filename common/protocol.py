@@ -1,0 +1,281 @@
+"""The msgpack wire protocol between frontend and engine (see DESIGN.md).
+
+Every frame is one msgpack array: [PROTOCOL_VERSION, kind, *fields]. Token ids
+travel as little-endian int32 bytes. Decoding is strict: anything malformed,
+unknown or oversized raises FrameError, which both sides log and drop.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from common.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class FrameError(ValueError):
+    """A frame that cannot be decoded into a known message."""
+
+
+class Kind(IntEnum):
+    ADD = 1
+    ABORT = 2
+    SHUTDOWN = 3
+    READY = 10
+    OUTPUTS = 11
+    ERROR = 12
+
+
+class FinishReason:
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+def pack_token_ids(token_ids: list[int] | array.array) -> bytes:
+    packed = token_ids if isinstance(token_ids, array.array) else array.array("i", token_ids)
+    if sys.byteorder != "little":
+        packed = array.array("i", packed)
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(blob: bytes) -> list[int]:
+    if not isinstance(blob, bytes) or len(blob) % 4:
+        raise FrameError("token ids must be int32 bytes")
+    unpacked = array.array("i")
+    unpacked.frombytes(blob)
+    if sys.byteorder != "little":
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+    def fields(self) -> list[Any]:
+        return [
+            self.request_id,
+            pack_token_ids(self.prompt_token_ids),
+            self.sampling.to_wire(),
+            self.arrival_time,
+            self.priority,
+        ]
+
+    @classmethod
+    def from_fields(cls, request_id, prompt, sampling, arrival_time, priority) -> AddRequest:
+        _expect(request_id, str, "request_id")
+        _expect(arrival_time, float | int, "arrival_time")
+        _expect(priority, int, "priority")
+        try:
+            params = SamplingParams.from_wire(sampling)
+        except (TypeError, ValueError) as exc:
+            raise FrameError(f"bad sampling params: {exc}") from exc
+        return cls(request_id, unpack_token_ids(prompt), params, float(arrival_time), priority)
+
+
+@dataclass(slots=True)
+class AbortRequests:
+    request_ids: list[str]
+
+    def fields(self) -> list[Any]:
+        return [self.request_ids]
+
+    @classmethod
+    def from_fields(cls, request_ids) -> AbortRequests:
+        _expect(request_ids, list, "request_ids")
+        for request_id in request_ids:
+            _expect(request_id, str, "request_id")
+        return cls(request_ids)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    def fields(self) -> list[Any]:
+        return []
+
+    @classmethod
+    def from_fields(cls) -> Shutdown:
+        return cls()
+
+
+@dataclass(slots=True)
+class Ready:
+    model_name: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    protocol_version: int = PROTOCOL_VERSION
+
+    def fields(self) -> list[Any]:
+        return [
+            self.model_name,
+            self.max_model_len,
+            self.num_kv_blocks,
+            self.block_size,
+            self.eos_token_ids,
+            self.vocab_size,
+            self.protocol_version,
+        ]
+
+    @classmethod
+    def from_fields(cls, model_name, max_model_len, num_kv_blocks, block_size, eos, vocab, ver):
+        _expect(model_name, str, "model_name")
+        for name, value in [("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),
+                            ("block_size", block_size), ("vocab_size", vocab), ("version", ver)]:
+            _expect(value, int, name)
+        _expect(eos, list, "eos_token_ids")
+        return cls(model_name, max_model_len, num_kv_blocks, block_size, eos, vocab, ver)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    # per new token: [chosen token logprob, [[top token id, logprob], ...]]
+    logprobs: list[list[Any]] | None = None
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.request_id,
+            pack_token_ids(self.new_token_ids),
+            self.finish_reason,
+            self.num_cached_tokens,
+            self.logprobs,
+        ]
+
+    @classmethod
+    def from_wire(cls, wire) -> RequestOutput:
+        if not isinstance(wire, list) or len(wire) != 5:
+            raise FrameError("request output must be a 5-element array")
+        request_id, tokens, finish_reason, num_cached, logprobs = wire
+        _expect(request_id, str, "request_id")
+        _expect(finish_reason, str | None, "finish_reason")
+        _expect(num_cached, int, "num_cached_tokens")
+        _expect(logprobs, list | None, "logprobs")
+        return cls(request_id, unpack_token_ids(tokens), finish_reason, num_cached, logprobs)
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    step_time_s: float = 0.0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+
+    def to_wire(self) -> list[Any]:
+        return [getattr(self, name) for name in self.__slots__]
+
+    @classmethod
+    def from_wire(cls, wire) -> StepStats:
+        if not isinstance(wire, list) or len(wire) != len(cls.__slots__):
+            raise FrameError("bad step stats")
+        for name, value in zip(cls.__slots__, wire, strict=True):
+            _expect(value, int | float, name)
+        return cls(*wire)
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    step: int
+    outputs: list[RequestOutput]
+    stats: StepStats = field(default_factory=StepStats)
+
+    def fields(self) -> list[Any]:
+        return [self.step, [output.to_wire() for output in self.outputs], self.stats.to_wire()]
+
+    @classmethod
+    def from_fields(cls, step, outputs, stats) -> StepOutputs:
+        _expect(step, int, "step")
+        _expect(outputs, list, "outputs")
+        return cls(step, [RequestOutput.from_wire(o) for o in outputs], StepStats.from_wire(stats))
+
+
+@dataclass(slots=True)
+class RequestError:
+    request_id: str
+    reason: str
+
+    def fields(self) -> list[Any]:
+        return [self.request_id, self.reason]
+
+    @classmethod
+    def from_fields(cls, request_id, reason) -> RequestError:
+        _expect(request_id, str, "request_id")
+        _expect(reason, str, "reason")
+        return cls(request_id, reason)
+
+
+Message = AddRequest | AbortRequests | Shutdown | Ready | StepOutputs | RequestError
+
+_KIND_OF: dict[type, Kind] = {
+    AddRequest: Kind.ADD,
+    AbortRequests: Kind.ABORT,
+    Shutdown: Kind.SHUTDOWN,
+    Ready: Kind.READY,
+    StepOutputs: Kind.OUTPUTS,
+    RequestError: Kind.ERROR,
+}
+_TYPE_OF: dict[int, type] = {kind.value: cls for cls, kind in _KIND_OF.items()}
+
+
+def encode(message: Message) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, _KIND_OF[type(message)].value, *message.fields()])
+
+
+def decode(frame: bytes) -> Message:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        unpacked = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=False,
+            max_str_len=1024 * 1024,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_array_len=1024 * 1024,
+            max_map_len=64 * 1024,
+        )
+    except Exception as exc:  # msgpack raises many exception types on garbage
+        raise FrameError(f"undecodable frame: {exc}") from exc
+    if not isinstance(unpacked, list) or len(unpacked) < 2:
+        raise FrameError("frame must be an array [version, kind, ...]")
+    version, kind, *payload = unpacked
+    if version != PROTOCOL_VERSION:
+        raise FrameError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    message_type = _TYPE_OF.get(kind) if isinstance(kind, int) else None
+    if message_type is None:
+        raise FrameError(f"unknown message kind {kind!r}")
+    try:
+        return message_type.from_fields(*payload)
+    except TypeError as exc:
+        raise FrameError(f"wrong field count for {message_type.__name__}: {exc}") from exc
+
+
+def _expect(value: Any, expected: Any, name: str) -> None:
+    if isinstance(value, bool) and expected in (int, float | int):
+        raise FrameError(f"{name} must not be a bool")
+    if not isinstance(value, expected):
+        raise FrameError(f"{name} has type {type(value).__name__}")
