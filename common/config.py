@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+DEFAULT_CPU_KV_CACHE_BYTES = 1024**3
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
 
 
@@ -22,6 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
     batching: str = "continuous"  # continuous | static
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first, FCFS within a level)
     enable_chunked_prefill: bool = True
     seed: int = 0
 
@@ -34,6 +35,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be continuous or static, not {self.batching!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, "
+                             f"not {self.scheduling_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
 
@@ -57,6 +61,7 @@ class EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             batching=args.batching,
+            scheduling_policy=args.scheduling_policy,
             enable_chunked_prefill=not args.no_enable_chunked_prefill,
             seed=args.seed,
         )
@@ -69,11 +74,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="KV cache size in bytes (default: 2 GiB on CPU, "
+                        help="KV cache size in bytes (default: 1 GiB on CPU, "
                              "80%% of free memory on CUDA)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--batching", default="continuous", choices=["continuous", "static"])
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--no-enable-chunked-prefill", action="store_true")
     engine.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,160 @@
+"""EngineCore: scheduler + block manager + model runner + sampler, driven one step at a time.
+
+No sockets here: the engine process (engine/server.py), the offline benchmark and the
+engine tests all drive this same object.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
+from common.protocol import AddRequest, Ready, RequestOutput, StepOutputs, StepStats
+from engine.block_manager import BlockManager
+from engine.loader import choose_dtype, load_model
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, StepTrace
+
+logger = logging.getLogger("loom.engine")
+
+
+def choose_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class EngineTotals:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, record_traces: bool = False) -> None:
+        self.config = config
+        self.device = choose_device(config.device)
+        self.dtype = choose_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, self.dtype, self.device)
+        model_config = self.model.config
+        self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
+                                   self.eos_token_ids)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device,
+                                  self.dtype)
+        self.sampler = Sampler(self.device, config.seed)
+        self.totals = EngineTotals()
+        self.record_traces = record_traces
+        self.traces: list[StepTrace] = []
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens at most in flight;"
+                    " max model len %d", num_blocks, config.block_size,
+                    num_blocks * self._bytes_per_block / 1024**3, self.dtype,
+                    num_blocks * config.block_size, self.max_model_len)
+
+    @property
+    def _bytes_per_block(self) -> int:
+        model_config = self.model.config
+        return kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads,
+                                  model_config.head_dim, self.config.block_size, self.dtype)
+
+    def _num_kv_blocks(self) -> int:
+        budget = self.config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
+        budget = budget if budget is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // self._bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds no block "
+                             f"({self._bytes_per_block} bytes each)")
+        return num_blocks
+
+    @property
+    def ready_message(self) -> Ready:
+        return Ready(
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.block_manager.num_blocks,
+            block_size=self.config.block_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            vocab_size=self.model.config.vocab_size,
+        )
+
+    # --- requests ------------------------------------------------------------------------
+    def add_request(self, message: AddRequest) -> None:
+        """Raises RequestRefused when the request can never be served."""
+        request = Request(message.request_id, message.prompt_token_ids, message.sampling,
+                          message.arrival_time, message.priority)
+        self.scheduler.add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request in self.scheduler.abort(request_ids):
+            self.sampler.forget(request.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- one step ------------------------------------------------------------------------
+    def step(self) -> StepOutputs:
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        requests: list[Request] = []
+        token_ids: list[int] = []
+        if not scheduled.is_empty:
+            sampling_chunks, logits = self.runner.execute(scheduled.chunks)
+            requests = [chunk.request for chunk in sampling_chunks]
+            token_ids = self.sampler.sample(logits, requests, self.eos_token_ids)
+        num_prompt_tokens = sum(chunk.num_tokens for chunk in scheduled.chunks
+                                if not chunk.is_decode)
+        finished = self.scheduler.update(scheduled, dict(zip(
+            (r.request_id for r in requests), token_ids, strict=True)))
+        for request in finished:
+            self.sampler.forget(request.request_id)
+        outputs = [
+            RequestOutput(r.request_id, [token_id], r.finish_reason, r.num_cached_tokens)
+            for r, token_id in zip(requests, token_ids, strict=True)
+        ]
+        self._record(scheduled.trace, num_prompt_tokens, len(token_ids))
+        stats = self._stats(num_prompt_tokens, len(token_ids), time.perf_counter() - started)
+        return StepOutputs(step=scheduled.trace.step, outputs=outputs, stats=stats)
+
+    def _record(self, trace: StepTrace, num_prompt_tokens: int, num_generated: int) -> None:
+        self.totals.num_steps += 1
+        self.totals.num_prompt_tokens += num_prompt_tokens
+        self.totals.num_generation_tokens += num_generated
+        if self.record_traces:
+            self.traces.append(trace)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %d ran %s waited %s preempted %s finished %s", trace.step,
+                         trace.scheduled, trace.waited, trace.preempted, trace.finished)
+
+    def _stats(self, num_prompt_tokens: int, num_generated: int, step_time: float) -> StepStats:
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=num_generated,
+            step_time_s=step_time,
+        )
+
+    def check_integrity(self) -> list[str]:
+        problems = self.block_manager.check_integrity(self.scheduler.live_requests)
+        for problem in problems:
+            logger.error("KV integrity violation: %s", problem)
+        return problems

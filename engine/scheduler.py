@@ -1,0 +1,269 @@
+"""Iteration-level scheduler: every step re-decides which requests run and how many tokens each.
+
+Running requests go first (a decode costs one token, an unfinished prefill gets its next
+chunk), then waiting ones in FCFS (or priority) order while token budget, seats and free
+blocks allow. When a running request needs a block and none is free, the most recently
+admitted running request is preempted: its blocks are freed and it recomputes later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from common.config import EngineConfig
+from common.protocol import FinishReason
+from engine.block_manager import BlockManager, blocks_for
+from engine.request import Request, RequestStatus
+
+
+class RequestRefused(ValueError):
+    """A request that can never be served under this configuration."""
+
+
+class WaitReason:
+    NO_SEAT = "no_seat"
+    NO_BUDGET = "no_budget"
+    NO_BLOCKS = "no_blocks"
+    BATCH_CLOSED = "batch_closed"  # static batching: the current batch has not finished
+    PREEMPTION = "preemption"  # a request was preempted this step: admit nobody
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.request.num_output_tokens > 0 and self.request.num_uncomputed_tokens == 1
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this chunk every token has K/V, so the step samples the next token."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class StepTrace:
+    step: int
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+    waited: dict[str, str] = field(default_factory=dict)  # request id -> WaitReason
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    trace: StepTrace
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: Iterable[int]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Request] = []  # sorted by _queue_key
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self.num_preemptions = 0
+        self._arrivals = itertools.count()
+
+    # --- queue state ---------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def live_requests(self) -> list[Request]:
+        return self.running + self.waiting
+
+    def _queue_key(self, request: Request) -> tuple[int, int]:
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        return (priority, request.arrival_order)
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=self._queue_key)
+
+    # --- admission and abort -------------------------------------------------------------
+    def check_admissible(self, request: Request) -> None:
+        total = request.max_total_tokens
+        if total > self.max_model_len:
+            raise RequestRefused(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) = {total} exceeds the maximum model length "
+                f"of {self.max_model_len} tokens")
+        needed = blocks_for(total, self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise RequestRefused(
+                f"request needs {needed} KV blocks ({total} tokens) but the whole cache holds "
+                f"{self.block_manager.num_blocks}")
+        if (not self.config.enable_chunked_prefill
+                and request.num_prompt_tokens > self.config.max_num_batched_tokens):
+            raise RequestRefused(
+                f"prompt of {request.num_prompt_tokens} tokens exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) and chunked prefill is off")
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRefused(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise RequestRefused("the prompt is empty")
+        self.check_admissible(request)
+        request.arrival_order = next(self._arrivals)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self._finish(request, FinishReason.ABORT)
+            aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.finish(reason)
+        del self.requests[request.request_id]
+
+    # --- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        trace = StepTrace(step=self.step_count)
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        budget = self._schedule_running(chunks, trace, budget)
+        if self.config.batching == "static":
+            self._admit_static_batch(chunks, trace, budget)
+        else:
+            self._admit_waiting(chunks, trace, budget)
+        for chunk in chunks:
+            trace.scheduled[chunk.request.request_id] = chunk.num_tokens
+        return SchedulerOutput(chunks, trace)
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        wanted = request.num_uncomputed_tokens
+        if wanted <= budget:
+            return wanted
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _schedule_running(self, chunks: list[ScheduledChunk], trace: StepTrace,
+                          budget: int) -> int:
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            num_tokens = self._chunk_size(request, budget)
+            if num_tokens == 0:
+                trace.waited[request.request_id] = WaitReason.NO_BUDGET
+                index += 1
+                continue
+            target = request.num_computed_tokens + num_tokens
+            while not self.block_manager.can_allocate(request, target):
+                victim = self.running[-1]
+                self._preempt(victim, trace)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # the request preempted itself: nothing after it is running any more
+            self.block_manager.allocate(request, target)
+            chunks.append(ScheduledChunk(request, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _preempt(self, request: Request, trace: StepTrace) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        trace.preempted.append(request.request_id)
+        self._enqueue(request)
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], trace: StepTrace,
+                       budget: int) -> None:
+        reason = WaitReason.PREEMPTION if trace.preempted else None
+        while self.waiting and reason is None:
+            request = self.waiting[0]
+            reason = self._why_not_admit(request, budget)
+            if reason is None:
+                num_tokens = self._chunk_size(request, budget)
+                self._admit(request, request.num_computed_tokens + num_tokens)
+                chunks.append(ScheduledChunk(request, num_tokens))
+                budget -= num_tokens
+        for request in self.waiting:
+            trace.waited[request.request_id] = reason
+
+    def _why_not_admit(self, request: Request, budget: int) -> str | None:
+        if len(self.running) >= self.config.max_num_seqs:
+            return WaitReason.NO_SEAT
+        num_tokens = self._chunk_size(request, budget)
+        if num_tokens == 0:
+            return WaitReason.NO_BUDGET
+        if not self.block_manager.can_allocate(request, request.num_computed_tokens + num_tokens):
+            return WaitReason.NO_BLOCKS
+        return None
+
+    def _admit(self, request: Request, num_tokens_to_cover: int) -> None:
+        self.waiting.pop(0)
+        self.block_manager.allocate(request, num_tokens_to_cover)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _admit_static_batch(self, chunks: list[ScheduledChunk], trace: StepTrace,
+                            budget: int) -> None:
+        """Static batching: a new batch forms only once the previous one has fully finished."""
+        if self.running or trace.preempted:
+            for request in self.waiting:
+                trace.waited[request.request_id] = WaitReason.BATCH_CLOSED
+            return
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self.block_manager.can_allocate(request, request.num_tokens):
+                break
+            self._admit(request, request.num_tokens)
+        # The batch's prompts then prefill under the token budget like any running request.
+        self._schedule_running(chunks, trace, budget)
+        for request in self.waiting:
+            trace.waited[request.request_id] = WaitReason.BATCH_CLOSED
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results; returns the requests that finished in it."""
+        finished = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            token_id = sampled.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_token(token_id)
+            reason = request.check_stop(self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
+                output.trace.finished.append(request.request_id)
+        return finished

@@ -1,0 +1,95 @@
+"""The engine process's loop: block on input when idle, drain without blocking when busy, step."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from common.protocol import (
+    AbortRequests,
+    AddRequest,
+    FrameError,
+    Message,
+    RequestError,
+    Shutdown,
+    decode,
+    encode,
+)
+from common.sockets import make_socket
+from engine.core import EngineCore
+from engine.scheduler import RequestRefused
+from engine.stats_log import StatsLogger
+
+logger = logging.getLogger("loom.engine")
+
+IDLE_POLL_MS = 1000
+
+
+class EngineServer:
+    def __init__(self, core: EngineCore, requests_addr: str, outputs_addr: str) -> None:
+        self.core = core
+        self.context = zmq.Context()
+        self.requests = make_socket(self.context, zmq.PULL, requests_addr, bind=True)
+        self.outputs = make_socket(self.context, zmq.PUSH, outputs_addr, bind=True)
+        self.stats_logger = StatsLogger()
+        self.num_bad_frames = 0
+        self.parent_pid = os.getppid()
+        self.running = True
+
+    def serve_forever(self) -> None:
+        try:
+            while self.running:
+                if not self.core.has_work:
+                    self.core.check_integrity()
+                    if not self.requests.poll(IDLE_POLL_MS):
+                        self._stop_if_orphaned()
+                        continue
+                self._drain_requests()
+                if self.running and self.core.has_work:
+                    step_outputs = self.core.step()
+                    self.outputs.send(encode(step_outputs), copy=False)
+                    self.stats_logger.observe(step_outputs.stats)
+        finally:
+            self.close()
+
+    def _stop_if_orphaned(self) -> None:
+        if os.getppid() != self.parent_pid:
+            logger.error("parent process %d is gone: stopping", self.parent_pid)
+            self.running = False
+
+    def _drain_requests(self) -> None:
+        while self.running:
+            try:
+                frame = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frame)
+            except FrameError as exc:
+                self.num_bad_frames += 1
+                logger.warning("dropped a bad frame (%d so far): %s", self.num_bad_frames, exc)
+                continue
+            self._handle(message)
+
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, AddRequest):
+            try:
+                self.core.add_request(message)
+            except RequestRefused as exc:
+                logger.info("refused %s: %s", message.request_id, exc)
+                self.outputs.send(encode(RequestError(message.request_id, str(exc))))
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, Shutdown):
+            logger.info("shutdown requested")
+            self.running = False
+        else:
+            self.num_bad_frames += 1
+            logger.warning("dropped a %s frame: not a frontend message", type(message).__name__)
+
+    def close(self) -> None:
+        self.requests.close(linger=0)
+        self.outputs.close()
+        self.context.term()
