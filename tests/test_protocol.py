@@ -1,0 +1,88 @@
+"""Wire protocol: every message round-trips; anything malformed raises FrameError."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from common.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    AbortRequests,
+    AddRequest,
+    FrameError,
+    Kind,
+    Ready,
+    RequestError,
+    RequestOutput,
+    Shutdown,
+    StepOutputs,
+    StepStats,
+    decode,
+    encode,
+)
+from common.sampling import SamplingParams
+
+MESSAGES = [
+    AddRequest("req-1", [1, 2, 3, 2**31 - 1], SamplingParams(), 12.5),
+    AddRequest("req-2", list(range(5000)),
+               SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
+                              stop_token_ids=[5], logit_bias={11: -100.0, 3: 2.5},
+                              logprobs=2, ignore_eos=True, min_tokens=2),
+               1.0, priority=-3),
+    AbortRequests(["a", "b"]),
+    AbortRequests([]),
+    Shutdown(),
+    Ready("SmolLM2", 8192, 1000, 16, [2], 49152),
+    StepOutputs(7, [RequestOutput("a", [4], None, 0, None),
+                    RequestOutput("b", [5], "stop", 16, [[-0.1, [[5, -0.1], [6, -2.0]]]])],
+                StepStats(2, 1, 0.25, 3, 100, 2, 0.05, 10, 4)),
+    StepOutputs(8, [], StepStats()),
+    RequestError("req-3", "prompt too long"),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message):
+    assert decode(encode(message)) == message
+
+
+def frame(*items) -> bytes:
+    return msgpack.packb(list(items))
+
+
+MALFORMED = {
+    "not msgpack": b"\xc1\xc1\xc1",
+    "truncated": encode(MESSAGES[1])[:-3],
+    "not an array": msgpack.packb({"kind": 1}),
+    "empty array": frame(),
+    "wrong version": frame(PROTOCOL_VERSION + 1, Kind.SHUTDOWN),
+    "unknown kind": frame(PROTOCOL_VERSION, 99),
+    "kind is a string": frame(PROTOCOL_VERSION, "ADD"),
+    "missing fields": frame(PROTOCOL_VERSION, Kind.ADD, "id"),
+    "extra fields": frame(PROTOCOL_VERSION, Kind.SHUTDOWN, 1),
+    "token ids not bytes": frame(PROTOCOL_VERSION, Kind.ADD, "id", [1, 2], {}, 0.0, 0),
+    "token ids odd length": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"\x01\x02\x03", {}, 0.0, 0),
+    "request id not str": frame(PROTOCOL_VERSION, Kind.ADD, 5, b"", {}, 0.0, 0),
+    "unknown sampling field": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {"bogus": 1}, 0.0, 0),
+    "invalid sampling value": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"",
+                                    {"max_tokens": 0}, 0.0, 0),
+    "sampling not a map": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", [1], 0.0, 0),
+    "priority is bool": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, True),
+    "abort ids not list": frame(PROTOCOL_VERSION, Kind.ABORT, "a"),
+    "abort id not str": frame(PROTOCOL_VERSION, Kind.ABORT, [1]),
+    "outputs entry short": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [["a"]], StepStats().to_wire()),
+    "stats wrong size": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [], [1, 2]),
+    "stats wrong type": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [], ["x"] * 9),
+}
+
+
+@pytest.mark.parametrize("blob", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_frames_raise_frame_error(blob):
+    with pytest.raises(FrameError):
+        decode(blob)
+
+
+def test_oversized_frame_is_refused_before_unpacking():
+    with pytest.raises(FrameError, match="exceeds"):
+        decode(b"\x00" * (MAX_FRAME_BYTES + 1))
