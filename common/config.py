@@ -18,6 +18,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: CPU default or a fraction of free CUDA memory
+    num_kv_blocks: int | None = None  # overrides the count derived from kv_cache_memory
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
@@ -57,6 +58,7 @@ class EngineConfig:
             device=args.device,
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
+            num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
@@ -76,6 +78,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache size in bytes (default: 1 GiB on CPU, "
                              "80%% of free memory on CUDA)")
+    engine.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="exact number of KV blocks (overrides --kv-cache-memory)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-model-len", type=int, default=None)

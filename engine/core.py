@@ -71,6 +71,8 @@ class EngineCore:
                                   model_config.head_dim, self.config.block_size, self.dtype)
 
     def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -1,0 +1,151 @@
+"""Offline engine benchmark: the engine in-process (no HTTP), several batching modes side by side.
+
+    python -m bench.offline [--model DIR] [--num-prompts 64] [--input-len 100]
+                            [--output-len 128] [--dtype bfloat16] [--modes continuous,static,seqs1]
+
+Each mode runs the same requests (random prompt tokens around --input-len, --output-len
+tokens forced with ignore_eos) on a fresh engine and reports output tok/s, total tok/s,
+step time p50/p99 and preemptions. `seqs1` is continuous batching with --max-num-seqs 1;
+it runs --single-prompts requests (it is slow, and its rate does not depend on the count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from common.config import EngineConfig
+from common.default_model import resolve_model
+from common.protocol import AddRequest
+from common.sampling import SamplingParams
+from engine.core import EngineCore
+
+MODES = {
+    "continuous": {"batching": "continuous"},
+    "static": {"batching": "static"},
+    "seqs1": {"batching": "continuous", "max_num_seqs": 1},
+}
+
+
+@dataclass(slots=True)
+class ModeResult:
+    mode: str
+    num_requests: int
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    step_times_s: list[float]
+    preemptions: int
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration_s
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.duration_s
+
+    def step_percentile(self, fraction: float) -> float:
+        ordered = sorted(self.step_times_s)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1000
+
+
+def make_requests(count: int, input_len: int, output_len: int, vocab: int,
+                  seed: int) -> list[AddRequest]:
+    rng = random.Random(seed)
+    requests = []
+    for index in range(count):
+        length = rng.randint(int(input_len * 0.8), int(input_len * 1.2))
+        prompt = [rng.randrange(100, vocab) for _ in range(length)]
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        requests.append(AddRequest(f"bench-{index}", prompt, params, time.time()))
+    return requests
+
+
+def run_mode(mode: str, base: EngineConfig, requests: list[AddRequest]) -> ModeResult:
+    core = EngineCore(EngineConfig(**{**_as_dict(base), **MODES[mode]}))
+    warmup = AddRequest("warmup", requests[0].prompt_token_ids,
+                        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 0.0)
+    core.add_request(warmup)
+    while core.has_work:
+        core.step()
+    for request in requests:
+        core.add_request(request)
+    step_times, output_tokens = [], 0
+    started = time.perf_counter()
+    while core.has_work:
+        outputs = core.step()
+        step_times.append(outputs.stats.step_time_s)
+        output_tokens += sum(len(o.new_token_ids) for o in outputs.outputs)
+    duration = time.perf_counter() - started
+    assert core.check_integrity() == [], "KV blocks leaked"
+    result = ModeResult(mode, len(requests), duration,
+                        sum(len(r.prompt_token_ids) for r in requests), output_tokens,
+                        step_times, core.scheduler.num_preemptions)
+    del core
+    gc.collect()
+    return result
+
+
+def _as_dict(config: EngineConfig) -> dict:
+    return {name: getattr(config, name) for name in config.__slots__}
+
+
+def print_table(results: list[ModeResult]) -> None:
+    print("| mode | requests | output tok/s | total tok/s | step p50 ms | step p99 ms "
+          "| preemptions | duration s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.mode} | {r.num_requests} | {r.output_throughput:.1f} | "
+              f"{r.total_throughput:.1f} | {r.step_percentile(0.5):.1f} | "
+              f"{r.step_percentile(0.99):.1f} | {r.preemptions} | {r.duration_s:.1f} |")
+    by_mode = {r.mode: r for r in results}
+    if "continuous" in by_mode:
+        for other in ("static", "seqs1"):
+            if other in by_mode:
+                ratio = by_mode["continuous"].output_throughput / by_mode[other].output_throughput
+                print(f"continuous / {other} output tok/s: {ratio:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.offline")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--single-prompts", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", type=int, default=None)
+    parser.add_argument("--modes", default="continuous,static,seqs1")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    base = EngineConfig(model=resolve_model(args.model), dtype=args.dtype, device=args.device,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_prompts)
+    with open(os.path.join(base.model, "config.json")) as config_file:
+        vocab_size = json.load(config_file)["vocab_size"]
+    results = []
+    for mode in args.modes.split(","):
+        count = args.single_prompts if mode == "seqs1" else args.num_prompts
+        requests = make_requests(count, args.input_len, args.output_len, vocab_size,
+                                 args.seed)
+        result = run_mode(mode, base, requests)
+        print(f"{mode}: {result.output_throughput:.1f} output tok/s "
+              f"(median step {statistics.median(result.step_times_s) * 1000:.1f} ms)",
+              flush=True)
+        results.append(result)
+    print(f"\nmodel {base.model}, dtype {args.dtype}, {args.num_prompts} prompts of "
+          f"~{args.input_len} tokens, {args.output_len} output tokens forced\n")
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Drive an in-process EngineCore the way the engine process does, for engine-tier tests."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from common.config import EngineConfig
+from common.protocol import AddRequest
+from common.sampling import SamplingParams
+from engine.core import EngineCore
+
+_ids = itertools.count()
+
+
+def make_core(model_dir: str, **overrides) -> EngineCore:
+    settings = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 64 * 1024**2}
+    settings.update(overrides)
+    return EngineCore(EngineConfig(model=model_dir, **settings), record_traces=True)
+
+
+def greedy_request(prompt: list[int], max_tokens: int, request_id: str | None = None,
+                   **sampling) -> AddRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
+    return AddRequest(request_id or f"req-{next(_ids)}", prompt, params, 0.0)
+
+
+def run_to_completion(core: EngineCore, requests: list[AddRequest],
+                      max_steps: int = 100_000) -> dict[str, list[int]]:
+    """Adds every request, steps until idle; returns each request's output token ids."""
+    for request in requests:
+        core.add_request(request)
+    outputs: dict[str, list[int]] = {request.request_id: [] for request in requests}
+    finished: set[str] = set()
+    for _ in range(max_steps):
+        if not core.has_work:
+            break
+        for output in core.step().outputs:
+            assert output.request_id not in finished, "tokens after the finish"
+            outputs[output.request_id].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                finished.add(output.request_id)
+    assert not core.has_work, "engine did not drain"
+    assert finished == set(outputs), "some requests never finished"
+    assert_no_leaks(core)
+    return outputs
+
+
+def assert_no_leaks(core: EngineCore) -> None:
+    assert core.check_integrity() == []
+    if not core.has_work:
+        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_greedy_equal_or_near_tie(actual: list[int], expected: list[int], prompt: list[int],
+                                    next_token_logits, tolerance: float = 1e-3) -> None:
+    """Token-for-token equality; at the first divergence, the reference's top-2 logit margin
+    must be below `tolerance` (a near tie that fp rounding may flip), else the test fails.
+    `next_token_logits(token_ids)` returns the reference logits after `token_ids`."""
+    assert len(actual) == len(expected)
+    for index, (got, want) in enumerate(zip(actual, expected, strict=True)):
+        if got == want:
+            continue
+        margin = top2_margin(next_token_logits(prompt + expected[:index]))
+        assert margin < tolerance, (
+            f"diverged at output token {index}: got {got}, expected {want}, "
+            f"but the reference's top-2 margin is {margin:.2e} (>= {tolerance})")
+        return
