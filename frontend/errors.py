@@ -1,0 +1,60 @@
+"""OpenAI-style API errors: one exception type, rendered as `{"error": {...}}` bodies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "NotFoundError"
+SERVER_ERROR = "server_error"
+SERVICE_UNAVAILABLE = "service_unavailable"
+
+
+@dataclass
+class APIError(Exception):
+    message: str
+    status: int = 400
+    type: str = INVALID_REQUEST
+    param: str | None = None
+    code: str | None = None
+
+    def __post_init__(self) -> None:
+        Exception.__init__(self, self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def invalid_param(param: str, message: str, code: str | None = None) -> APIError:
+    return APIError(message, status=400, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        f"The model `{model}` does not exist.",
+        status=404,
+        type=INVALID_REQUEST,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def engine_unavailable(reason: str) -> APIError:
+    return APIError(reason, status=503, type=SERVICE_UNAVAILABLE, code="engine_unavailable")
+
+
+def internal_error(reason: str) -> APIError:
+    return APIError(reason, status=500, type=SERVER_ERROR, code="internal_error")
