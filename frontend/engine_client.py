@@ -1,0 +1,260 @@
+"""The frontend's side of the engine sockets.
+
+One reader task owns the output socket and routes every entry of every frame to the
+queue of the request it belongs to. Requests go out on the request socket; a request
+that is left before the engine finished it (client gone, stop string, cancellation)
+is ABORTed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from common import protocol
+from common.protocol import (
+    AbortRequests,
+    AddRequest,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    StepOutputs,
+    StepStats,
+)
+from common.sockets import make_socket
+
+logger = logging.getLogger("loom.frontend.engine")
+
+# After the engine's output connection drops, frames it sent just before may still be
+# queued locally; they are delivered before the in-flight requests are failed.
+DISCONNECT_GRACE_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine went away while requests were in flight, or before they were sent."""
+
+
+class EngineBusyError(RuntimeError):
+    """The request socket's queue is full: the engine is not reading."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine rejected or failed one request."""
+
+
+_EngineGone = object()  # queue item: the engine disconnected
+QueueItem = RequestOutput | RequestError | object
+
+
+class EngineClient:
+    def __init__(self, requests_addr: str, outputs_addr: str) -> None:
+        self._context = zmq.asyncio.Context()
+        # Sends are never awaited: an ABORT must go out from a `finally` of a cancelled
+        # task or a closing generator, so the request socket is a plain socket used with
+        # NOBLOCK (its high-water mark is generous) on the same libzmq context.
+        self._sync_context = zmq.Context.shadow(self._context.underlying)
+        self._requests = make_socket(self._sync_context, zmq.PUSH, requests_addr, bind=False)
+        self._outputs = make_socket(self._context, zmq.PULL, outputs_addr, bind=False)
+        self._monitor = self._outputs.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        )
+        self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.num_bad_frames = 0
+        self.engine_dead = False
+        self.last_stats = StepStats()
+        self.last_step = -1
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._read_outputs(), name="engine-outputs-reader"),
+            asyncio.create_task(self._watch_connection(), name="engine-connection-watch"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self._outputs.disable_monitor()
+        self._monitor.close(linger=0)
+        self._outputs.close(linger=0)
+        self._requests.close()
+        self._context.term()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def add(self, request: AddRequest) -> RequestStream:
+        """Send a request now; its outputs arrive through the returned stream.
+
+        Raises EngineDeadError or EngineBusyError when the request cannot be sent.
+        """
+        if self.engine_dead:
+            raise EngineDeadError("the engine is not running")
+        if request.request_id in self._queues:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        queue: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        try:
+            self._send(request)
+        except BaseException:
+            del self._queues[request.request_id]
+            raise
+        return RequestStream(self, request.request_id, queue)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """ABORT requests; their iterators end with finish_reason "abort"."""
+        for request_id in request_ids:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestOutput(request_id, [], FinishReason.ABORT))
+        self._abort_nowait(request_ids)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._queues.pop(request_id, None)
+        if abort:
+            self._abort_nowait([request_id])
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        try:
+            self._send(AbortRequests(list(request_ids)))
+        except (EngineBusyError, zmq.ZMQError) as exc:
+            logger.warning("could not send ABORT for %s: %s", request_ids, exc)
+
+    def _send(self, message: protocol.Message) -> None:
+        try:
+            self._requests.send(protocol.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise EngineBusyError("the engine's request queue is full") from exc
+
+    async def _read_outputs(self) -> None:
+        while True:
+            frame = await self._outputs.recv()
+            try:
+                message = protocol.decode(frame)
+            except protocol.FrameError as exc:
+                self.num_bad_frames += 1
+                logger.warning(
+                    "dropped a bad frame from the engine (%d bytes): %s", len(frame), exc
+                )
+                continue
+            try:
+                self._route(message)
+            except Exception:
+                logger.exception("failed to route a %s frame", type(message).__name__)
+
+    def _route(self, message: protocol.Message) -> None:
+        if isinstance(message, StepOutputs):
+            self.last_step = message.step
+            self.last_stats = message.stats
+            for output in message.outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:  # else: finished or aborted here, engine not yet told
+                    queue.put_nowait(output)
+        elif isinstance(message, RequestError):
+            queue = self._queues.get(message.request_id)
+            if queue is not None:
+                queue.put_nowait(message)
+            else:
+                logger.warning(
+                    "engine error for unknown request %s: %s", message.request_id, message.reason
+                )
+        else:
+            self.num_bad_frames += 1
+            logger.warning("dropped an unexpected %s frame from the engine", type(message).__name__)
+
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                if self.engine_dead:
+                    logger.info("engine reconnected")
+                self.engine_dead = False
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.error("lost the connection to the engine")
+                self.engine_dead = True
+                await self._fail_in_flight_after_grace()
+
+    async def _fail_in_flight_after_grace(self) -> None:
+        await asyncio.sleep(DISCONNECT_GRACE_S)
+        while self._outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            await asyncio.sleep(0.01)
+        if not self.engine_dead:
+            return
+        for queue in self._queues.values():
+            queue.put_nowait(_EngineGone)
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator that ends after the finishing output.
+
+    Outputs that queued up while the consumer was busy are merged into one. Closing the
+    stream (or leaving its `async with`) before the engine finished the request ABORTs it.
+    """
+
+    def __init__(self, client: EngineClient, request_id: str, queue: asyncio.Queue) -> None:
+        self._client = client
+        self.request_id = request_id
+        self._queue: asyncio.Queue[QueueItem] = queue
+        self._stash: deque[QueueItem] = deque()  # an item that ended a merge, handled next
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = self._stash.popleft() if self._stash else await self._queue.get()
+        if item is _EngineGone:
+            self.finished = True
+            raise EngineDeadError("the engine stopped while the request was running")
+        if isinstance(item, RequestError):
+            self.finished = True
+            raise EngineRequestError(item.reason)
+        assert isinstance(item, RequestOutput)
+        output = item
+        while output.finish_reason is None and not self._queue.empty():
+            queued = self._queue.get_nowait()
+            if not isinstance(queued, RequestOutput):
+                self._stash.append(queued)
+                break
+            output = _merge(output, queued)
+        self.finished = output.finish_reason is not None
+        return output
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._client._release(self.request_id, abort=not self.finished)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    logprobs = None
+    if first.logprobs is not None and second.logprobs is not None:
+        logprobs = first.logprobs + second.logprobs
+    return RequestOutput(
+        first.request_id,
+        first.new_token_ids + second.new_token_ids,
+        second.finish_reason,
+        max(first.num_cached_tokens, second.num_cached_tokens),
+        logprobs,
+    )
