@@ -1,0 +1,51 @@
+"""Tokenization and chat templating, off the event loop.
+
+Encoding a 100k-character prompt takes long enough to stall every open stream, so it
+runs in a worker thread. One worker: a Hugging Face fast tokenizer is not safe to call
+from several threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jinja2
+
+from frontend.errors import invalid_param
+from frontend.schemas import ChatMessage
+
+
+class TokenizerService:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        return await self._run(self._encode, text, True)
+
+    async def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        return await self._run(self._render_and_encode, conversation)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, function: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _render_and_encode(self, conversation: list[dict[str, str]]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise invalid_param(
+                "messages", f"The chat template rejected the messages: {exc}"
+            ) from exc
+        # The rendered template already holds the special tokens (BOS included).
+        return self._encode(text, add_special_tokens=False)
