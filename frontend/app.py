@@ -1,0 +1,91 @@
+"""The aiohttp application: routes, error middleware, engine client lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from frontend.engine_client import EngineClient
+from frontend.errors import INVALID_REQUEST, APIError, internal_error
+from frontend.openai_api import create_chat_completion, create_completion
+from frontend.state import STATE, FrontendSettings, ServerState
+from frontend.tokenization import TokenizerService
+
+logger = logging.getLogger("loom.frontend")
+
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
+    app[STATE] = ServerState(settings=settings, tokenizer=TokenizerService(tokenizer))
+    app.on_startup.append(_connect_engine)
+    app.on_cleanup.append(_disconnect_engine)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def _connect_engine(app: web.Application) -> None:
+    state = app[STATE]
+    settings = state.settings
+    state.engine = EngineClient(settings.requests_addr, settings.outputs_addr)
+    state.engine.start()
+    logger.info("connected to the engine at %s / %s", settings.requests_addr, settings.outputs_addr)
+
+
+async def _disconnect_engine(app: web.Application) -> None:
+    state = app[STATE]
+    if state.engine is not None:
+        await state.engine.close()
+        state.engine = None
+    state.tokenizer.close()
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model: dict[str, Any] = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "loom",
+    }
+    info = state.settings.engine_info
+    if info is not None:
+        model["root"] = info.model_name
+        model["max_model_len"] = info.max_model_len
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def health(request: web.Request) -> web.Response:
+    reason = request.app[STATE].unavailable_reason()
+    if reason is not None:
+        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error_type = INVALID_REQUEST if exc.status < 500 else "server_error"
+        message = exc.text if exc.text and exc.text != exc.reason else exc.reason
+        return APIError(message, status=exc.status, type=error_type).response()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return internal_error("Internal server error.").response()
