@@ -1,0 +1,131 @@
+"""Load a Hugging Face Llama-family directory (config.json + safetensors) into our model."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.llama import LlamaForCausalLM, ModelConfig
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+# HF projection name -> (our merged parameter, part index, number of parts)
+_MERGED_PARTS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0, 3),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1, 3),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2, 3),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
+}
+_LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)\.(weight|bias)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    directory = Path(model_dir)
+    hf_config = read_hf_config(directory)
+    config = ModelConfig.from_hf(hf_config)
+    config.eos_token_ids = _merge_generation_eos(directory, config.eos_token_ids)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, dtype=dtype)
+    weights = dict(_merged_weights(_read_safetensors(directory, device), dtype))
+    _tie_or_check_lm_head(model, weights)
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def read_hf_config(directory: Path) -> dict:
+    hf_config = json.loads((directory / "config.json").read_text())
+    model_type = hf_config.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {directory}; "
+                         f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    return hf_config
+
+
+def _merge_generation_eos(directory: Path, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """generation_config.json often lists more stop ids (Llama 3 Instruct's <|eot_id|>)."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return eos_ids
+    extra = json.loads(path.read_text()).get("eos_token_id")
+    extra_ids = [extra] if isinstance(extra, int) else list(extra or [])
+    return tuple(dict.fromkeys([*eos_ids, *extra_ids]))
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / shard for shard in shards]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    return files
+
+
+def _read_safetensors(directory: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(directory):
+        with safe_open(str(path), framework="pt", device=str(device)) as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                if not _IGNORED.fullmatch(name):
+                    yield name, shard.get_tensor(name)
+
+
+def _merged_weights(tensors: Iterator[tuple[str, torch.Tensor]],
+                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename HF tensors onto our parameters, concatenating merged projections."""
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    for name, tensor in tensors:
+        tensor = tensor.to(dtype)
+        match = _LAYER_PARAM.fullmatch(name)
+        if match is None or match.group(2) not in _MERGED_PARTS:
+            yield name, tensor
+            continue
+        layer, projection, kind = match.groups()
+        merged, part, num_parts = _MERGED_PARTS[projection]
+        target = f"model.layers.{layer}.{merged}.{kind}"
+        parts = pending.setdefault(target, [None] * num_parts)
+        parts[part] = tensor
+        if all(p is not None for p in parts):
+            yield target, torch.cat(pending.pop(target), dim=0)  # type: ignore[arg-type]
+    if pending:
+        raise ValueError(f"checkpoint is missing parts of {sorted(pending)}")
+
+
+def _tie_or_check_lm_head(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
+    """Tied models read the embedding; a checkpoint without lm_head.weight is tied too."""
+    if model.lm_head is None:
+        weights.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        model.lm_head = None
+        model.config.tie_word_embeddings = True
+
+
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 instructions, else float32."""
+    explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name in explicit:
+        return explicit[name]
+    if name != "auto":
+        raise ValueError(f"unsupported dtype {name!r}; use auto, float32 or bfloat16")
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
