@@ -95,7 +95,7 @@ def test_mixed_batch_with_preemption_equals_each_request_alone(tiny_model_dir, r
         with torch.no_grad():
             expected = reference_model.generate(
                 torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                min_new_tokens=24)[0, len(prompt):].tolist()
+                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert_greedy_equal_or_near_tie(together[request.request_id], expected, prompt,
                                         reference_logits)
 

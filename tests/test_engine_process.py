@@ -1,0 +1,111 @@
+"""The engine as a real process over real ZeroMQ sockets: READY, serving, bad frames, shutdown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import zmq
+
+from common.config import EngineConfig
+from common.protocol import (
+    PROTOCOL_VERSION,
+    AddRequest,
+    Ready,
+    RequestError,
+    Shutdown,
+    StepOutputs,
+    decode,
+    encode,
+)
+from common.sampling import SamplingParams
+from common.sockets import Endpoints, make_socket
+from tests.model_fixtures import build_tiny_llama_dir
+
+RECV_TIMEOUT_MS = 30_000
+
+
+@pytest.fixture
+def engine_process(tmp_path):
+    model_dir = build_tiny_llama_dir(tmp_path / "model")
+    endpoints = Endpoints.private_ipc()
+    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", max_model_len=128,
+                          kv_cache_memory=16 * 1024**2)
+    read_fd, write_fd = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine", "--config-json", config.to_json(),
+         "--requests-addr", endpoints.requests, "--outputs-addr", endpoints.outputs,
+         "--ready-fd", str(write_fd)],
+        pass_fds=(write_fd,), stderr=subprocess.PIPE, text=True)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as ready_pipe:
+        ready = decode(ready_pipe.read())
+    context = zmq.Context()
+    requests = make_socket(context, zmq.PUSH, endpoints.requests, bind=False)
+    outputs = make_socket(context, zmq.PULL, endpoints.outputs, bind=False)
+    outputs.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+    try:
+        yield ready, requests, outputs, process
+    finally:
+        requests.close(linger=0)
+        outputs.close(linger=0)
+        context.term()
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        endpoints.remove()
+
+
+def collect(outputs: zmq.Socket, request_id: str) -> tuple[list[int], str]:
+    tokens: list[int] = []
+    while True:
+        message = decode(outputs.recv())
+        if isinstance(message, RequestError):
+            assert message.request_id == request_id
+            return tokens, f"error: {message.reason}"
+        assert isinstance(message, StepOutputs)
+        for output in message.outputs:
+            if output.request_id == request_id:
+                tokens.extend(output.new_token_ids)
+                if output.finish_reason:
+                    return tokens, output.finish_reason
+
+
+def add(request_id: str, prompt: list[int], max_tokens: int) -> bytes:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return encode(AddRequest(request_id, prompt, params, 0.0))
+
+
+def test_ready_carries_model_facts(engine_process):
+    ready, *_ = engine_process
+    assert isinstance(ready, Ready)
+    assert ready.max_model_len == 128 and ready.block_size == 16
+    assert ready.num_kv_blocks > 0 and ready.vocab_size > 0
+
+
+def test_bad_frames_are_dropped_and_the_engine_keeps_serving(engine_process):
+    _, requests, outputs, process = engine_process
+    for garbage in [b"\xc1garbage", msgpack.packb([PROTOCOL_VERSION, 99]),
+                    msgpack.packb([PROTOCOL_VERSION + 1, 3]),
+                    encode(Ready("x", 1, 1, 1, [], 1))]:
+        requests.send(garbage)
+    requests.send(add("after-garbage", [5, 6, 7], max_tokens=5))
+    tokens, reason = collect(outputs, "after-garbage")
+    assert len(tokens) == 5 and reason == "length"
+    requests.send(encode(Shutdown()))
+    assert process.wait(timeout=30) == 0
+    log = process.stderr.read()
+    assert log.count("dropped a") == 4
+
+
+def test_an_impossible_request_gets_an_error_frame(engine_process):
+    _, requests, outputs, _ = engine_process
+    requests.send(add("too-long", list(range(3, 103)), max_tokens=100))
+    tokens, reason = collect(outputs, "too-long")
+    assert tokens == [] and "maximum model length of 128" in reason
+    requests.send(add("fine", [3, 4], max_tokens=2))
+    tokens, reason = collect(outputs, "fine")
+    assert len(tokens) == 2 and reason == "length"
