@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine-info", default=None, help="JSON object of the engine's Ready fields"
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=1.0,
+        help="seconds open requests get to finish on SIGTERM/SIGINT",
+    )
     return parser.parse_args(argv)
 
 
@@ -83,6 +89,10 @@ def load_tokenizer(model_dir: str) -> Any:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     engine_info = parse_engine_info(args.engine_info)
     served_name = args.served_model_name or (engine_info.model_name if engine_info else None)
     if not served_name:
@@ -90,21 +100,23 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model_dir)
     settings = FrontendSettings(served_name, args.requests_addr, args.outputs_addr, engine_info)
     runner = web.AppRunner(
-        create_app(settings, tokenizer), handler_cancellation=True, access_log=None
+        create_app(settings, tokenizer),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=args.shutdown_timeout,
     )
     await runner.setup()
     try:
+        if stop.is_set():
+            return
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         logger.info("serving %s on http://%s:%d", served_name, args.host, args.port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
         await stop.wait()
         logger.info("stopping")
     finally:
         await runner.cleanup()
+        logger.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:

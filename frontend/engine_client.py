@@ -34,6 +34,9 @@ logger = logging.getLogger("loom.frontend.engine")
 # After the engine's output connection drops, frames it sent just before may still be
 # queued locally; they are delivered before the in-flight requests are failed.
 DISCONNECT_GRACE_S = 0.2
+# Last ABORTs get this long to leave on close; an engine that is not reading must not
+# hold up the frontend's exit.
+SHUTDOWN_LINGER_MS = 200
 
 
 class EngineDeadError(RuntimeError):
@@ -87,7 +90,7 @@ class EngineClient:
         self._outputs.disable_monitor()
         self._monitor.close(linger=0)
         self._outputs.close(linger=0)
-        self._requests.close()
+        self._requests.close(linger=SHUTDOWN_LINGER_MS)
         self._context.term()
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -340,3 +341,47 @@ async def test_unknown_route_is_an_openai_error(harness: FrontendHarness) -> Non
     response = await harness.client.get("/v1/nothing")
     assert response.status == 404
     assert "error" in await response.json()
+
+
+async def test_streamed_multibyte_text_never_breaks_a_character(harness: FrontendHarness) -> None:
+    text = "Emoji 😀🇫🇷 and CJK 你好世界, done."
+    harness.reply_with(text)
+    response = await post(
+        harness, "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "stream": True},
+    )  # fmt: skip
+    chunks = parse_sse(await response.text())
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "".join(pieces) == text
+    assert len([piece for piece in pieces if piece]) > 3  # it really streamed
+
+
+class SlowTokenizer:
+    """Delegates to a tokenizer; encoding blocks its thread like a huge prompt would."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self._inner = inner
+        self._delay_s = delay_s
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        time.sleep(self._delay_s)
+        return self._inner.encode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+async def test_tokenization_does_not_block_the_event_loop(harness: FrontendHarness) -> None:
+    harness.reply_with("Hi")
+    service = harness.app[STATE].tokenizer
+    service.tokenizer = SlowTokenizer(service.tokenizer, delay_s=1.0)
+    slow = asyncio.create_task(post(harness, "/v1/completions", {"prompt": "x" * 100_000}))
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    assert (await harness.client.get("/health")).status == 200
+    assert time.monotonic() - started < 0.5
+    response = await slow
+    assert response.status == 400  # 100k characters do not fit in the fake model's context
+    error = (await response.json())["error"]
+    assert error["code"] == "context_length_exceeded"
