@@ -119,7 +119,8 @@ class EngineCore:
         if not scheduled.is_empty:
             sampling_chunks, logits = self.runner.execute(scheduled.chunks)
             requests = [chunk.request for chunk in sampling_chunks]
-            token_ids = self.sampler.sample(logits, requests, self.eos_token_ids)
+            if requests:  # a step of prefill chunks only samples nothing
+                token_ids = self.sampler.sample(logits, requests, self.eos_token_ids)
         num_prompt_tokens = sum(chunk.num_tokens for chunk in scheduled.chunks
                                 if not chunk.is_decode)
         finished = self.scheduler.update(scheduled, dict(zip(

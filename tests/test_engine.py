@@ -136,3 +136,14 @@ def test_refused_requests_leave_the_engine_untouched(tiny_model_dir):
     assert not core.has_work
     outputs = run_to_completion(core, [greedy_request(prompt_of(10), max_tokens=4)])
     assert [len(tokens) for tokens in outputs.values()] == [4]
+
+
+def test_steps_of_prefill_chunks_only_sample_nothing(tiny_model_dir):
+    core = make_core(tiny_model_dir, max_num_batched_tokens=16)
+    core.add_request(greedy_request(prompt_of(50), max_tokens=3, request_id="alone"))
+    first_steps = [core.step() for _ in range(3)]
+    assert all(step.outputs == [] for step in first_steps)
+    assert [core.traces[i].scheduled["alone"] for i in range(3)] == [16, 16, 16]
+    outputs = run_to_completion(core, [])
+    assert core.traces[3].scheduled["alone"] == 2
+    assert outputs == {}
