@@ -10,16 +10,12 @@ from aiohttp import web
 
 from common.protocol import AddRequest
 from frontend.body_reader import parse_json_object
+from frontend.context_limit import ContextLimit
 from frontend.engine_client import EngineBusyError, EngineDeadError, EngineRequestError
 from frontend.errors import APIError, engine_unavailable, invalid_param
 from frontend.generation import Generation
 from frontend.responses import ChatFormat, CompletionFormat, ResponseFormat
-from frontend.schemas import (
-    GenerationOptions,
-    parse_chat_request,
-    parse_completion_request,
-    resolve_max_tokens,
-)
+from frontend.schemas import GenerationOptions, parse_chat_request, parse_completion_request
 from frontend.sse import EventStream
 from frontend.state import STATE, ServerState
 
@@ -67,7 +63,10 @@ async def _generate(
     engine, info = state.ready_engine()
     if not prompt_ids:
         raise invalid_param("prompt", "The prompt is empty after tokenization.")
-    max_tokens = resolve_max_tokens(len(prompt_ids), options.max_tokens, info.max_model_len)
+    prompt_param = "messages" if isinstance(response_format, ChatFormat) else "prompt"
+    max_tokens = ContextLimit.of(info).max_tokens_for(
+        len(prompt_ids), options.max_tokens, prompt_param
+    )
     engine_request = AddRequest(
         response_format.request_id, prompt_ids, options.sampling_params(max_tokens), time.time()
     )

@@ -11,7 +11,7 @@ from typing import Any
 
 from common.sampling import SamplingParams
 from frontend.body_reader import BodyReader, check_token_id
-from frontend.errors import APIError, invalid_param
+from frontend.errors import invalid_param
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -268,29 +268,3 @@ def _parse_content(param: str, content: Any) -> str:
             raise invalid_param(name, f"'{name}' must be a string.")
         texts.append(text)
     return "\n".join(texts)
-
-
-def context_limit_error(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> APIError:
-    if max_tokens is None:
-        return APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_tokens} tokens, which leaves no room for a completion. "
-            "Please reduce the length of the prompt.",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    return APIError(
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-        f"{max_tokens} in max_tokens). Please reduce the length of the prompt or max_tokens.",
-        param="max_tokens",
-        code="context_length_exceeded",
-    )
-
-
-def resolve_max_tokens(prompt_tokens: int, requested: int | None, max_model_len: int) -> int:
-    """max_tokens to send: as requested, or whatever the context leaves (as vLLM does)."""
-    room = max_model_len - prompt_tokens
-    if room < 1 or (requested is not None and requested > room):
-        raise context_limit_error(prompt_tokens, requested, max_model_len)
-    return requested if requested is not None else room

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from frontend.state import STATE
 from tests.fake_engine import MAX_MODEL_LEN, FrontendHarness, build_test_tokenizer
 
 CHAT = "/v1/chat/completions"
@@ -191,3 +193,21 @@ async def test_accepted_variants(harness: FrontendHarness) -> None:
     assert harness.engine.adds[1].prompt_token_ids == [5, 6]
     assert harness.engine.adds[2].sampling.max_tokens == 5
     assert harness.engine.adds[4].sampling.max_tokens == 4
+
+
+async def test_kv_cache_smaller_than_the_context_caps_requests(tokenizer: Any) -> None:
+    async with FrontendHarness(tokenizer) as harness:
+        harness.reply_with("Hi")
+        settings = harness.app[STATE].settings
+        assert settings.engine_info is not None
+        settings.engine_info = replace(settings.engine_info, num_kv_blocks=4, block_size=16)
+        response = await harness.client.post(COMPLETIONS, json={"prompt": [5] * 10})
+        assert response.status == 200
+        assert harness.engine.adds[-1].sampling.max_tokens == 64 - 10
+        response = await harness.client.post(
+            COMPLETIONS, json={"prompt": [5] * 10, "max_tokens": 60}
+        )
+        assert response.status == 400
+        error = (await response.json())["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert "64 tokens" in error["message"] and "10 in the prompt" in error["message"]
