@@ -14,7 +14,7 @@ from frontend.context_limit import ContextLimit
 from frontend.engine_client import EngineBusyError, EngineDeadError, EngineRequestError
 from frontend.errors import APIError, engine_unavailable, invalid_param
 from frontend.generation import Generation
-from frontend.responses import ChatFormat, CompletionFormat, ResponseFormat
+from frontend.responses import ChatFormat, CompletionFormat
 from frontend.schemas import GenerationOptions, parse_chat_request, parse_completion_request
 from frontend.sse import EventStream
 from frontend.state import STATE, ServerState
@@ -76,12 +76,10 @@ async def _generate(
     try:
         async with generation:
             if options.stream:
-                return await _stream(request, generation, response_format, options.include_usage)
+                return await _stream(request, generation, response_format)
             result = await generation.collect()
-    except (EngineDeadError, EngineBusyError) as exc:
-        raise engine_unavailable(str(exc)) from exc
-    except EngineRequestError as exc:
-        raise APIError(f"The engine refused the request: {exc}", code="request_refused") from exc
+    except (EngineDeadError, EngineBusyError, EngineRequestError) as exc:
+        raise _engine_failure(exc) from exc
     _log_finished(generation, result.finish_reason)
     return web.json_response(response_format.body(result, generation.usage))
 
@@ -89,8 +87,7 @@ async def _generate(
 async def _stream(
     request: web.Request,
     generation: Generation,
-    response_format: ResponseFormat,
-    include_usage: bool,
+    response_format: CompletionFormat | ChatFormat,
 ) -> web.StreamResponse:
     events = EventStream(request)
     await events.open()
@@ -102,22 +99,23 @@ async def _stream(
             async for delta in generation.deltas():
                 await events.send(response_format.delta_chunk(delta))
                 finish_reason = delta.finish_reason
-            if include_usage:
+            if response_format.include_usage:
                 await events.send(response_format.usage_chunk(generation.usage))
         except (EngineDeadError, EngineRequestError) as exc:
-            error = (
-                engine_unavailable(str(exc))
-                if isinstance(exc, EngineDeadError)
-                else (APIError(str(exc), code="request_refused"))
-            )
             logger.warning("%s failed mid-stream: %s", generation.request_id, exc)
-            await events.send(error.body())
+            await events.send(_engine_failure(exc).body())
         await events.done()
     except ConnectionResetError:
         logger.info("%s: client disconnected", generation.request_id)
         return events.response
     _log_finished(generation, finish_reason)
     return events.response
+
+
+def _engine_failure(exc: Exception) -> APIError:
+    if isinstance(exc, EngineRequestError):
+        return APIError(f"The engine refused the request: {exc}", code="request_refused")
+    return engine_unavailable(str(exc))
 
 
 def _log_finished(generation: Generation, finish_reason: str | None) -> None:

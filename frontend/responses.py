@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from frontend.generation import Delta, Usage
-
-
-class ResponseFormat(Protocol):
-    def opening_chunks(self) -> list[dict[str, Any]]: ...
-    def delta_chunk(self, delta: Delta) -> dict[str, Any]: ...
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]: ...
-    def body(self, result: Delta, usage: Usage) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
