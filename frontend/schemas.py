@@ -11,7 +11,7 @@ from typing import Any
 
 from common.sampling import SamplingParams
 from frontend.body_reader import BodyReader, check_token_id
-from frontend.errors import invalid_param
+from frontend.errors import APIError, invalid_param
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -46,6 +46,12 @@ class GenerationOptions:
                 "min_tokens",
                 f"'min_tokens' ({self.min_tokens}) must not exceed max_tokens ({max_tokens}).",
             )
+        try:
+            return self._build_sampling_params(max_tokens)
+        except ValueError as exc:  # a check SamplingParams has and this module lacks
+            raise APIError(f"Invalid sampling parameters: {exc}") from exc
+
+    def _build_sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
