@@ -116,11 +116,13 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         requests: list[Request] = []
         token_ids: list[int] = []
+        logprobs: list = []
         if not scheduled.is_empty:
             sampling_chunks, logits = self.runner.execute(scheduled.chunks)
             requests = [chunk.request for chunk in sampling_chunks]
             if requests:  # a step of prefill chunks only samples nothing
-                token_ids = self.sampler.sample(logits, requests, self.eos_token_ids)
+                result = self.sampler.sample(logits, requests, self.eos_token_ids)
+                token_ids, logprobs = result.token_ids, result.logprobs
         num_prompt_tokens = sum(chunk.num_tokens for chunk in scheduled.chunks
                                 if not chunk.is_decode)
         finished = self.scheduler.update(scheduled, dict(zip(
@@ -128,8 +130,9 @@ class EngineCore:
         for request in finished:
             self.sampler.forget(request.request_id)
         outputs = [
-            RequestOutput(r.request_id, [token_id], r.finish_reason, r.num_cached_tokens)
-            for r, token_id in zip(requests, token_ids, strict=True)
+            RequestOutput(r.request_id, [token_id], r.finish_reason, r.num_cached_tokens,
+                          None if token_logprobs is None else [token_logprobs])
+            for r, token_id, token_logprobs in zip(requests, token_ids, logprobs, strict=True)
         ]
         self._record(scheduled.trace, num_prompt_tokens, len(token_ids))
         stats = self._stats(num_prompt_tokens, len(token_ids), time.perf_counter() - started)

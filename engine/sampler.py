@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from engine.logits_processors import process_logits
 from engine.request import Request
+
+TokenLogprobs = list[Any]  # [chosen token logprob, [[top token id, logprob], ...]]
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
 
 
 class Sampler:
@@ -27,40 +39,44 @@ class Sampler:
         return generator
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
-               eos_token_ids: frozenset[int]) -> list[int]:
-        """logits: float32 [len(requests), vocab]. Returns one token id per request."""
-        logits = self._suppress_early_stops(logits, requests, eos_token_ids)
+               eos_token_ids: frozenset[int]) -> SampleResult:
+        """logits: raw float32 [len(requests), vocab]; one token id per request."""
+        processed = process_logits(logits, requests, eos_token_ids)
         greedy = [request.sampling.greedy for request in requests]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-        probs = self._filtered_probs(logits, requests)
-        noise = torch.empty_like(probs)
-        for row, request in enumerate(requests):
-            noise[row].exponential_(generator=self._generator_for(request))
-        sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            greedy_rows = torch.tensor(greedy, device=logits.device)
-            sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
-        return sampled.tolist()
+            sampled = processed.argmax(dim=-1)
+        else:
+            probs = self._filtered_probs(processed, requests)
+            noise = torch.empty_like(probs)
+            for row, request in enumerate(requests):
+                noise[row].exponential_(generator=self._generator_for(request))
+            sampled = (probs / noise).argmax(dim=-1)
+            if any(greedy):
+                greedy_rows = torch.tensor(greedy, device=logits.device)
+                sampled = torch.where(greedy_rows, processed.argmax(dim=-1), sampled)
+        return SampleResult(sampled.tolist(), self._logprobs(logits, sampled, requests))
 
     @staticmethod
-    def _suppress_early_stops(logits: torch.Tensor, requests: list[Request],
-                              eos_token_ids: frozenset[int]) -> torch.Tensor:
-        """min_tokens: EOS and stop tokens cannot be sampled before the minimum is reached."""
-        rows, columns = [], []
-        for row, request in enumerate(requests):
-            sampling = request.sampling
-            if request.num_output_tokens >= sampling.min_tokens:
-                continue
-            stops = set(sampling.stop_token_ids)
-            if not sampling.ignore_eos:
-                stops |= eos_token_ids
-            rows.extend([row] * len(stops))
-            columns.extend(stops)
-        if rows:
-            logits = logits.clone()
-            logits[rows, columns] = float("-inf")
-        return logits
+    def _logprobs(logits: torch.Tensor, sampled: torch.Tensor,
+                  requests: list[Request]) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the model's own distribution (before any sampling edits),
+        as vLLM reports them: the chosen token's, and the top-N."""
+        wanted = [request.sampling.logprobs for request in requests]
+        if all(n is None for n in wanted):
+            return [None] * len(requests)
+        rows = [row for row, n in enumerate(wanted) if n is not None]
+        row_index = torch.tensor(rows, device=logits.device)
+        logprobs = logits.index_select(0, row_index).log_softmax(dim=-1)
+        chosen = logprobs.gather(1, sampled.index_select(0, row_index)[:, None])[:, 0].tolist()
+        top_values, top_ids = logprobs.topk(max(wanted[row] for row in rows), dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        results: list[TokenLogprobs | None] = [None] * len(requests)
+        for position, row in enumerate(rows):
+            n = wanted[row]
+            top = [[token_id, value] for token_id, value in
+                   zip(top_ids[position][:n], top_values[position][:n], strict=True)]
+            results[row] = [chosen[position], top]
+        return results
 
     def _filtered_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         temperatures = torch.tensor(

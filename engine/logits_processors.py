@@ -1,0 +1,93 @@
+"""Per-request edits of a step's logits before sampling, batched over all sampling rows:
+min_tokens stop suppression, repetition / presence / frequency penalties, logit_bias."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+
+
+def process_logits(logits: torch.Tensor, requests: list[Request],
+                   eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """Returns edited logits (a new tensor when anything applies; the input is left intact)."""
+    edited = logits
+    if any(needs_penalties(r) for r in requests):
+        edited = apply_penalties(edited.clone(), requests)
+    if any(r.sampling.logit_bias for r in requests):
+        edited = apply_logit_bias(edited if edited is not logits else logits.clone(), requests)
+    stop_rows, stop_columns = early_stop_positions(requests, eos_token_ids)
+    if stop_rows:
+        edited = edited if edited is not logits else logits.clone()
+        edited[stop_rows, stop_columns] = float("-inf")
+    return edited
+
+
+def needs_penalties(request: Request) -> bool:
+    sampling = request.sampling
+    return (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
+            or sampling.frequency_penalty != 0.0)
+
+
+def early_stop_positions(requests: list[Request],
+                         eos_token_ids: frozenset[int]) -> tuple[list[int], list[int]]:
+    """min_tokens: EOS and stop tokens cannot be sampled before the minimum is reached."""
+    rows: list[int] = []
+    columns: list[int] = []
+    for row, request in enumerate(requests):
+        sampling = request.sampling
+        if request.num_output_tokens >= sampling.min_tokens:
+            continue
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops |= eos_token_ids
+        rows.extend([row] * len(stops))
+        columns.extend(stops)
+    return rows, columns
+
+
+def token_counts(token_lists: list[list[int]], vocab_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float counts of each token id per row."""
+    counts = torch.zeros(len(token_lists), vocab_size, device=device)
+    rows = [row for row, tokens in enumerate(token_lists) for _ in tokens]
+    if rows:
+        columns = [token for tokens in token_lists for token in tokens]
+        index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
+        counts.index_put_(index, torch.ones(len(rows), device=device), accumulate=True)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """In place, as vLLM and the OpenAI API define them:
+    repetition (prompt and output tokens): positive logits divided by p, negative multiplied;
+    frequency and presence (output tokens only): logit -= f * count + p * (count > 0)."""
+    vocab_size, device = logits.shape[-1], logits.device
+    output_counts = token_counts([r.output_token_ids for r in requests], vocab_size, device)
+    repetition = torch.tensor([r.sampling.repetition_penalty for r in requests],
+                              device=device)[:, None]
+    if bool((repetition != 1.0).any()):
+        seen = output_counts + token_counts([r.prompt_token_ids for r in requests],
+                                            vocab_size, device)
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen > 0, penalized, logits)
+    frequency = torch.tensor([r.sampling.frequency_penalty for r in requests],
+                             device=device)[:, None]
+    presence = torch.tensor([r.sampling.presence_penalty for r in requests],
+                            device=device)[:, None]
+    logits -= frequency * output_counts + presence * (output_counts > 0)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    rows, columns, values = [], [], []
+    for row, request in enumerate(requests):
+        for token_id, bias in request.sampling.logit_bias.items():
+            if 0 <= token_id < logits.shape[-1]:
+                rows.append(row)
+                columns.append(token_id)
+                values.append(bias)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
+    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device),
+                      accumulate=True)
+    return logits

@@ -1,0 +1,164 @@
+"""Sampling parameters, table-driven, each against a reference computed here independently."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from engine.logits_processors import process_logits
+from engine.request import Request
+from engine.sampler import Sampler
+
+EOS = 0
+VOCAB = 12
+# A fixed logits vector with distinct values: token 5 is the argmax.
+LOGITS = torch.tensor([1.0, -0.5, 2.0, 0.3, -1.2, 3.1, 0.0, 2.6, -2.0, 1.4, 0.8, -0.1])
+
+
+def request(output: list[int] | None = None, prompt: list[int] | None = None,
+            **params) -> Request:
+    made = Request("r", prompt or [3, 4], SamplingParams(max_tokens=50, **params))
+    for token in output or []:
+        made.append_token(token)
+    return made
+
+
+def sample_many(params: dict, draws: int = 400, logits: torch.Tensor = LOGITS) -> set[int]:
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    rows = [request(**params) for _ in range(draws)]
+    for index, row in enumerate(rows):
+        row.request_id = f"r{index}"
+    batch = logits.expand(draws, -1).clone()
+    return set(sampler.sample(batch, rows, frozenset([EOS])).token_ids)
+
+
+def probabilities(logits: torch.Tensor) -> list[float]:
+    exps = [math.exp(v) for v in logits.tolist()]
+    return [e / sum(exps) for e in exps]
+
+
+def top_p_support(logits: torch.Tensor, top_p: float) -> set[int]:
+    probs = probabilities(logits)
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for token in order:
+        if mass >= top_p:
+            break
+        kept.add(token)
+        mass += probs[token]
+    return kept
+
+
+def ranked(logits: torch.Tensor) -> list[int]:
+    return sorted(range(len(logits)), key=lambda i: -float(logits[i]))
+
+
+@pytest.mark.parametrize(
+    ("params", "expected_support"),
+    [
+        ({"temperature": 0.0}, {5}),
+        ({"temperature": 1.0, "top_k": 1}, {5}),
+        ({"temperature": 1.0, "top_k": 3}, set(ranked(LOGITS)[:3])),
+        ({"temperature": 1.0, "top_p": 0.5}, top_p_support(LOGITS, 0.5)),
+        ({"temperature": 1.0, "top_p": 0.8}, top_p_support(LOGITS, 0.8)),
+        ({"temperature": 1.0, "top_k": 4, "top_p": 0.99},
+         set(ranked(LOGITS)[:4])),
+        ({"temperature": 1.0, "min_p": 0.3},
+         {i for i, p in enumerate(probabilities(LOGITS))
+          if p >= 0.3 * max(probabilities(LOGITS))}),
+        ({"temperature": 0.0, "logit_bias": {8: 100.0}}, {8}),
+        ({"temperature": 1.0, "logit_bias": {8: 100.0}}, {8}),
+        ({"temperature": 1.0, "logit_bias": {t: -100.0 for t in range(VOCAB) if t != 4}}, {4}),
+    ],
+    ids=["greedy", "top_k=1", "top_k=3", "top_p=0.5", "top_p=0.8", "top_k+top_p", "min_p",
+         "bias-greedy", "bias-sampled", "bias-ban-all-but-one"],
+)
+def test_sampled_tokens_stay_in_the_reference_support(params, expected_support):
+    assert sample_many(params) <= expected_support
+    if len(expected_support) > 1:
+        assert len(sample_many(params)) > 1  # it really samples
+
+
+def test_top_k_one_equals_greedy_on_random_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(32, 1000)
+    rows = [request(temperature=0.9, top_k=1) for _ in range(32)]
+    for index, row in enumerate(rows):
+        row.request_id = f"r{index}"
+    sampled = Sampler(torch.device("cpu")).sample(logits, rows, frozenset()).token_ids
+    assert sampled == logits.argmax(dim=-1).tolist()
+
+
+def test_penalties_follow_the_documented_formula():
+    prompt, output = [2, 3], [5, 5, 7]
+    params = {"repetition_penalty": 1.5, "presence_penalty": 0.4, "frequency_penalty": 0.3}
+    edited = process_logits(LOGITS[None].clone(), [request(output, prompt, **params)],
+                            frozenset())[0]
+    expected = LOGITS.clone()
+    for token in set(prompt + output):  # repetition: prompt and output
+        value = float(expected[token])
+        expected[token] = value / 1.5 if value > 0 else value * 1.5
+    for token in set(output):  # frequency and presence: output only
+        expected[token] -= 0.3 * output.count(token) + 0.4
+    assert torch.allclose(edited, expected)
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens_until_reached():
+    logits = LOGITS.clone()
+    logits[EOS] = 50.0
+    logits[9] = 40.0
+    early = request(output=[1], min_tokens=3, temperature=0.0, stop_token_ids=[9])
+    late = request(output=[1, 1, 1], min_tokens=3, temperature=0.0, stop_token_ids=[9])
+    sampler = Sampler(torch.device("cpu"))
+    assert sampler.sample(logits[None].clone(), [early], frozenset([EOS])).token_ids == [5]
+    assert sampler.sample(logits[None].clone(), [late], frozenset([EOS])).token_ids == [EOS]
+
+
+def test_ignore_eos_keeps_eos_sampleable_but_not_stopping():
+    logits = LOGITS.clone()
+    logits[EOS] = 50.0
+    ignoring = request(output=[1], min_tokens=3, ignore_eos=True, temperature=0.0)
+    assert Sampler(torch.device("cpu")).sample(
+        logits[None], [ignoring], frozenset([EOS])).token_ids == [EOS]
+
+
+def test_logprobs_are_the_models_log_softmax():
+    row = request(temperature=0.0, logprobs=3)
+    result = Sampler(torch.device("cpu")).sample(LOGITS[None].clone(), [row], frozenset())
+    chosen, top = result.logprobs[0]
+    reference = [math.log(p) for p in probabilities(LOGITS)]
+    assert chosen == pytest.approx(reference[5], abs=1e-5)
+    assert [token for token, _ in top] == ranked(LOGITS)[:3]
+    assert [value for _, value in top] == pytest.approx(
+        [reference[t] for t in ranked(LOGITS)[:3]], abs=1e-5)
+    plain = Sampler(torch.device("cpu")).sample(LOGITS[None].clone(), [request()], frozenset())
+    assert plain.logprobs == [None]
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch():
+    torch.manual_seed(0)
+    vocab = 500
+    steps = [torch.randn(vocab) for _ in range(10)]
+
+    def run(batch_size: int) -> list[int]:
+        sampler = Sampler(torch.device("cpu"), seed=123)
+        seeded = request(temperature=1.0, seed=42)
+        others = [request(temperature=1.0) for _ in range(batch_size - 1)]
+        for index, other in enumerate(others):
+            other.request_id = f"other-{index}"
+        tokens = []
+        for logits in steps:
+            rows = [*others[:len(others) // 2], seeded, *others[len(others) // 2:]]
+            batch = torch.stack([logits] + [torch.randn(vocab) for _ in others])
+            batch = torch.cat([batch[1:1 + len(others) // 2], batch[:1],
+                               batch[1 + len(others) // 2:]])
+            result = sampler.sample(batch, rows, frozenset())
+            tokens.append(result.token_ids[len(others) // 2])
+        return tokens
+
+    alone = run(1)
+    assert alone == run(16)
+    assert len(set(alone)) > 1
