@@ -252,8 +252,9 @@ class RequestStream:
 
 def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     logprobs = None
-    if first.logprobs is not None and second.logprobs is not None:
-        logprobs = first.logprobs + second.logprobs
+    if first.logprobs is not None or second.logprobs is not None:
+        # An output without tokens (an ABORT marker) carries no logprobs either.
+        logprobs = (first.logprobs or []) + (second.logprobs or [])
     return RequestOutput(
         first.request_id,
         first.new_token_ids + second.new_token_ids,

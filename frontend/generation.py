@@ -7,19 +7,28 @@ gone, error) ABORTs it in the engine.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import AddRequest, FinishReason
 from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import EngineClient, RequestStream
+from frontend.engine_client import EngineClient, EngineRequestError, RequestStream
 from frontend.stop_strings import StopStringMatcher
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the model's most likely tokens, best first
+    text_offset: int  # where the token's text starts in the choice's output text
 
 
 @dataclass(slots=True)
 class Delta:
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless requested
 
 
 @dataclass(slots=True)
@@ -51,10 +60,13 @@ class Generation:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop_strings = StopStringMatcher(stop)
         sampling = request.sampling
-        # A finishing stop token counts as generated but is not part of the text.
+        # A finishing stop token counts as generated but is not part of the text (nor of
+        # the logprobs, which describe the text's tokens).
         self._stop_token_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             self._stop_token_ids.update(eos_token_ids)
+        self._wants_logprobs = sampling.logprobs is not None
+        self._text_length = 0  # characters detokenized so far
         self.usage = Usage(prompt_tokens=len(request.prompt_token_ids))
         self._outputs: RequestStream | None = None
 
@@ -84,24 +96,49 @@ class Generation:
                 and token_ids[-1] in self._stop_token_ids
             ):
                 token_ids = token_ids[:-1]
-            text = self._detokenizer.push(token_ids)
+            text, logprobs = self._detokenize(token_ids, output.logprobs)
             if finish_reason is not None:
                 text += self._detokenizer.flush()
             matched = self._stop_strings.feed(text)
             if matched.stopped:
-                yield Delta(matched.text, FinishReason.STOP)
+                yield Delta(matched.text, FinishReason.STOP, logprobs)
                 return
             if finish_reason is not None:
-                yield Delta(matched.text + self._stop_strings.flush(), finish_reason)
+                yield Delta(matched.text + self._stop_strings.flush(), finish_reason, logprobs)
                 return
-            if matched.text:
-                yield Delta(matched.text)
+            if matched.text or logprobs:
+                yield Delta(matched.text, logprobs=logprobs)
+
+    def _detokenize(
+        self, token_ids: list[int], raw_logprobs: list[Any] | None
+    ) -> tuple[str, list[TokenLogprob]]:
+        if not self._wants_logprobs:
+            text = self._detokenizer.push(token_ids)
+            self._text_length += len(text)
+            return text, []
+        raw_logprobs = raw_logprobs or []
+        if len(raw_logprobs) < len(token_ids):
+            raise EngineRequestError(
+                f"the engine sent {len(raw_logprobs)} logprobs for {len(token_ids)} tokens"
+            )
+        # One token at a time, so each token's text offset is known.
+        pieces: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        for token_id, (chosen, top) in zip(token_ids, raw_logprobs, strict=False):
+            top_pairs = [(int(top_id), float(value)) for top_id, value in top]
+            logprobs.append(TokenLogprob(token_id, float(chosen), top_pairs, self._text_length))
+            piece = self._detokenizer.push([token_id])
+            self._text_length += len(piece)
+            pieces.append(piece)
+        return "".join(pieces), logprobs
 
     async def collect(self) -> Delta:
         """The whole text and the finish reason, for non-streaming responses."""
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         finish_reason = None
         async for delta in self.deltas():
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs)
             finish_reason = delta.finish_reason
-        return Delta("".join(parts), finish_reason)
+        return Delta("".join(parts), finish_reason, logprobs)

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
 
 from aiohttp import web
 
-from common.protocol import AddRequest
 from frontend.body_reader import parse_json_object
+from frontend.choices import choice_requests, total_usage
 from frontend.context_limit import ContextLimit
 from frontend.engine_client import EngineBusyError, EngineDeadError, EngineRequestError
 from frontend.errors import APIError, engine_unavailable, invalid_param
-from frontend.generation import Generation
-from frontend.responses import ChatFormat, CompletionFormat
+from frontend.generation import Delta, Generation
+from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
+from frontend.responses import ChatFormat, CompletionFormat, ResponseFormat
 from frontend.schemas import GenerationOptions, parse_chat_request, parse_completion_request
 from frontend.sse import EventStream
 from frontend.state import STATE, ServerState
+from frontend.stream_merge import merge
 
 logger = logging.getLogger("loom.frontend.api")
 
@@ -27,16 +31,30 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body = parse_json_object(await request.read())
     _, info = state.ready_engine()
     parsed = parse_completion_request(body, info.vocab_size)
-    state.check_model(parsed.options.model)
-    if isinstance(parsed.prompt, str):
-        prompt_ids = await state.tokenizer.encode_prompt(parsed.prompt)
-    else:
-        prompt_ids = parsed.prompt
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    options = parsed.options
+    state.check_model(options.model)
+    prompts = [
+        await state.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+        for prompt in parsed.prompts
+    ]
+    echo = None
+    if parsed.echo:
+        texts = [
+            prompt if isinstance(prompt, str) else await state.tokenizer.decode(prompt)
+            for prompt in parsed.prompts
+        ]
+        echo = [text for text in texts for _ in range(options.n)]
     response_format = CompletionFormat(
-        request_id, state.model_name, int(time.time()), parsed.options.include_usage
+        f"cmpl-{uuid.uuid4().hex}",
+        state.model_name,
+        int(time.time()),
+        options.include_usage,
+        logprobs=(
+            None if options.logprobs is None else CompletionLogprobs(state.tokenizer.token_texts)
+        ),
+        echo=echo,
     )
-    return await _generate(request, state, prompt_ids, parsed.options, response_format)
+    return await _generate(request, state, prompts, options, response_format)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -44,71 +62,98 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = parse_json_object(await request.read())
     _, info = state.ready_engine()
     parsed = parse_chat_request(body, info.vocab_size)
-    state.check_model(parsed.options.model)
+    options = parsed.options
+    state.check_model(options.model)
     prompt_ids = await state.tokenizer.encode_chat(parsed.messages)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     response_format = ChatFormat(
-        request_id, state.model_name, int(time.time()), parsed.options.include_usage
+        f"chatcmpl-{uuid.uuid4().hex}",
+        state.model_name,
+        int(time.time()),
+        options.include_usage,
+        logprobs=None if options.logprobs is None else ChatLogprobs(state.tokenizer.token_texts),
+        num_choices=options.n,
     )
-    return await _generate(request, state, prompt_ids, parsed.options, response_format)
+    return await _generate(request, state, [prompt_ids], options, response_format)
 
 
 async def _generate(
     request: web.Request,
     state: ServerState,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     options: GenerationOptions,
-    response_format: CompletionFormat | ChatFormat,
+    response_format: ResponseFormat,
 ) -> web.StreamResponse:
     engine, info = state.ready_engine()
-    if not prompt_ids:
-        raise invalid_param("prompt", "The prompt is empty after tokenization.")
     prompt_param = "messages" if isinstance(response_format, ChatFormat) else "prompt"
-    max_tokens = ContextLimit.of(info).max_tokens_for(
-        len(prompt_ids), options.max_tokens, prompt_param
+    limit = ContextLimit.of(info)
+    sampling = []
+    for prompt_ids in prompts:
+        if not prompt_ids:
+            raise invalid_param(prompt_param, "The prompt is empty after tokenization.")
+        max_tokens = limit.max_tokens_for(len(prompt_ids), options.max_tokens, prompt_param)
+        sampling.append(options.sampling_params(max_tokens))
+    engine_requests = choice_requests(
+        response_format.request_id, prompts, sampling, options.n, time.time()
     )
-    engine_request = AddRequest(
-        response_format.request_id, prompt_ids, options.sampling_params(max_tokens), time.time()
-    )
-    generation = Generation(
-        engine, state.tokenizer.tokenizer, engine_request, options.stop, info.eos_token_ids
-    )
+    generations = [
+        Generation(engine, state.tokenizer.tokenizer, engine_request, options.stop,
+                   info.eos_token_ids)
+        for engine_request in engine_requests
+    ]  # fmt: skip
     try:
-        async with generation:
+        async with contextlib.AsyncExitStack() as running:
+            for generation in generations:
+                await running.enter_async_context(generation)
             if options.stream:
-                return await _stream(request, generation, response_format)
-            result = await generation.collect()
+                return await _stream(request, generations, options.n, response_format)
+            results = await _collect_all(generations)
     except (EngineDeadError, EngineBusyError, EngineRequestError) as exc:
         raise _engine_failure(exc) from exc
-    _log_finished(generation, result.finish_reason)
-    return web.json_response(response_format.body(result, generation.usage))
+    for generation, result in zip(generations, results, strict=True):
+        _log_finished(generation, result.finish_reason)
+    usage = total_usage([generation.usage for generation in generations], options.n)
+    return web.json_response(response_format.body(results, usage))
+
+
+async def _collect_all(generations: list[Generation]) -> list[Delta]:
+    tasks = [asyncio.create_task(generation.collect()) for generation in generations]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # the others, when one failed
+            task.cancel()
 
 
 async def _stream(
     request: web.Request,
-    generation: Generation,
-    response_format: CompletionFormat | ChatFormat,
+    generations: list[Generation],
+    n: int,
+    response_format: ResponseFormat,
 ) -> web.StreamResponse:
     events = EventStream(request)
     await events.open()
-    finish_reason = None
+    finish_reasons: dict[int, str | None] = {}
     try:
         try:
             for chunk in response_format.opening_chunks():
                 await events.send(chunk)
-            async for delta in generation.deltas():
-                await events.send(response_format.delta_chunk(delta))
-                finish_reason = delta.finish_reason
+            deltas = merge([generation.deltas() for generation in generations])
+            async with contextlib.aclosing(deltas):
+                async for index, delta in deltas:
+                    await events.send(response_format.delta_chunk(index, delta))
+                    finish_reasons[index] = delta.finish_reason
             if response_format.include_usage:
-                await events.send(response_format.usage_chunk(generation.usage))
+                usage = total_usage([generation.usage for generation in generations], n)
+                await events.send(response_format.usage_chunk(usage))
         except (EngineDeadError, EngineRequestError) as exc:
-            logger.warning("%s failed mid-stream: %s", generation.request_id, exc)
+            logger.warning("%s failed mid-stream: %s", response_format.request_id, exc)
             await events.send(_engine_failure(exc).body())
         await events.done()
     except ConnectionResetError:
-        logger.info("%s: client disconnected", generation.request_id)
+        logger.info("%s: client disconnected", response_format.request_id)
         return events.response
-    _log_finished(generation, finish_reason)
+    for index, generation in enumerate(generations):
+        _log_finished(generation, finish_reasons.get(index))
     return events.response
 
 

@@ -1,4 +1,8 @@
-"""OpenAI response bodies and stream chunks for the completions and chat endpoints."""
+"""OpenAI response bodies and stream chunks for the completions and chat endpoints.
+
+A request has one or more choices (n samples of each prompt); every stream chunk carries
+one choice, named by its index.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.generation import Delta, Usage
+from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
 
 
 @dataclass(slots=True)
@@ -14,6 +19,8 @@ class CompletionFormat:
     model: str
     created: int
     include_usage: bool = False  # streams only: a `usage` key in every chunk, a last one set
+    logprobs: CompletionLogprobs | None = None
+    echo: list[str] | None = None  # per choice index: the prompt text to put first
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
@@ -28,22 +35,37 @@ class CompletionFormat:
         return chunk
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        return []
+        if self.echo is None:
+            return []
+        return [self._chunk([self._choice(i, Delta(text))]) for i, text in enumerate(self.echo)]
 
-    def delta_chunk(self, delta: Delta) -> dict[str, Any]:
-        return self._chunk([_text_choice(delta)])
+    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any]:
+        return self._chunk([self._choice(index, delta)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._chunk([]) | {"usage": usage.to_dict()}
 
-    def body(self, result: Delta, usage: Usage) -> dict[str, Any]:
+    def body(self, results: list[Delta], usage: Usage) -> dict[str, Any]:
+        if self.echo is not None:
+            results = [
+                Delta(prefix + result.text, result.finish_reason, result.logprobs)
+                for prefix, result in zip(self.echo, results, strict=True)
+            ]
         return {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [_text_choice(result)],
+            "choices": [self._choice(index, result) for index, result in enumerate(results)],
             "usage": usage.to_dict(),
+        }
+
+    def _choice(self, index: int, delta: Delta) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": delta.text,
+            "logprobs": None if self.logprobs is None else self.logprobs.format(delta.logprobs),
+            "finish_reason": delta.finish_reason,
         }
 
 
@@ -53,6 +75,8 @@ class ChatFormat:
     model: str
     created: int
     include_usage: bool = False
+    logprobs: ChatLogprobs | None = None
+    num_choices: int = 1
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
@@ -67,36 +91,45 @@ class ChatFormat:
         return chunk
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk([_chat_delta_choice({"role": "assistant", "content": ""}, None)])]
+        opening = {"role": "assistant", "content": ""}
+        return [
+            self._chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}])
+            for i in range(self.num_choices)
+        ]
 
-    def delta_chunk(self, delta: Delta) -> dict[str, Any]:
+    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any]:
         content = {"content": delta.text} if delta.text else {}
-        return self._chunk([_chat_delta_choice(content, delta.finish_reason)])
+        return self._chunk([self._choice(index, "delta", content, delta)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._chunk([]) | {"usage": usage.to_dict()}
 
-    def body(self, result: Delta, usage: Usage) -> dict[str, Any]:
+    def body(self, results: list[Delta], usage: Usage) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
-                    "logprobs": None,
-                    "finish_reason": result.finish_reason,
-                }
+                self._choice(index, "message", _assistant(result.text), result)
+                for index, result in enumerate(results)
             ],
             "usage": usage.to_dict(),
         }
 
+    def _choice(
+        self, index: int, key: str, message: dict[str, Any], delta: Delta
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            key: message,
+            "logprobs": None if self.logprobs is None else self.logprobs.format(delta.logprobs),
+            "finish_reason": delta.finish_reason,
+        }
 
-def _text_choice(delta: Delta) -> dict[str, Any]:
-    return {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+
+def _assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
 
 
-def _chat_delta_choice(content: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+ResponseFormat = CompletionFormat | ChatFormat

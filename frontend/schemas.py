@@ -1,7 +1,8 @@
 """Validated OpenAI request bodies for /v1/completions and /v1/chat/completions.
 
-Unknown fields are ignored, as OpenAI does; known fields that Loom cannot honour yet
-(n > 1, logprobs, echo, ...) are rejected rather than silently ignored.
+Unknown fields are ignored, as OpenAI does; known fields that Loom cannot honour
+(`suffix`, `best_of` other than n, echo with logprobs) are rejected rather than silently
+ignored.
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ from typing import Any
 from common.sampling import SamplingParams
 from frontend.body_reader import BodyReader, check_token_id
 from frontend.errors import APIError, invalid_param
+from frontend.prompt_input import Prompt, parse_prompts
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+MAX_N = 128
+MAX_CHOICES = 1024  # prompts x n in one request
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -24,6 +30,8 @@ class GenerationOptions:
 
     model: str | None
     max_tokens: int | None  # None: up to the context limit
+    n: int = 1
+    logprobs: int | None = None  # top logprobs per token; None: no logprobs
     stream: bool = False
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
@@ -66,13 +74,15 @@ class GenerationOptions:
             ignore_eos=self.ignore_eos,
             stop_token_ids=list(self.stop_token_ids),
             logit_bias=dict(self.logit_bias),
+            logprobs=self.logprobs,
         )
 
 
 @dataclass(slots=True)
 class CompletionRequest:
-    prompt: str | list[int]  # text, or token ids
+    prompts: list[Prompt]  # each one text, or token ids; n choices each
     options: GenerationOptions
+    echo: bool = False
 
 
 @dataclass(slots=True)
@@ -89,49 +99,63 @@ class ChatRequest:
 
 def parse_completion_request(body: dict[str, Any], vocab_size: int) -> CompletionRequest:
     reader = BodyReader(body)
-    _reject_unsupported(reader, echo=True, best_of=True, suffix=True)
-    if reader.body.get("logprobs") is not None:
-        raise invalid_param("logprobs", "'logprobs' is not supported yet.")
+    n = _parse_n(reader)
+    best_of = reader.integer("best_of", None, minimum=1)
+    if best_of is not None and best_of != n:
+        raise invalid_param("best_of", "'best_of' is not supported unless it equals n.")
+    if reader.string("suffix"):
+        raise invalid_param("suffix", "'suffix' is not supported.")
+    echo = reader.boolean("echo", False)
+    logprobs = reader.integer("logprobs", None, minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    if echo and logprobs is not None:
+        raise invalid_param(
+            "echo",
+            "'echo' together with 'logprobs' needs the prompt's logprobs, which this server "
+            "does not compute; drop one of the two.",
+        )
     max_tokens = reader.integer("max_tokens", None, minimum=1)
-    options = _parse_options(reader, max_tokens, vocab_size)
-    return CompletionRequest(_parse_prompt(body.get("prompt"), vocab_size), options)
+    options = _parse_options(reader, max_tokens, vocab_size, n, logprobs)
+    prompts = parse_prompts(body.get("prompt"), vocab_size)
+    if len(prompts) * n > MAX_CHOICES:
+        raise invalid_param(
+            "prompt",
+            f"A request may produce at most {MAX_CHOICES} choices; {len(prompts)} prompts "
+            f"with n={n} make {len(prompts) * n}.",
+        )
+    return CompletionRequest(prompts, options, echo)
 
 
 def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     reader = BodyReader(body)
-    _reject_unsupported(reader)
-    if reader.boolean("logprobs", False):
-        raise invalid_param("logprobs", "'logprobs' is not supported yet.")
-    if reader.present("top_logprobs"):
-        raise invalid_param("top_logprobs", "'top_logprobs' is not supported yet.")
+    n = _parse_n(reader)
+    wants_logprobs = reader.boolean("logprobs", False)
+    top_logprobs = reader.integer("top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not wants_logprobs:
+        raise invalid_param("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
+    logprobs = (top_logprobs or 0) if wants_logprobs else None
     if reader.present("max_completion_tokens"):
         max_tokens = reader.integer("max_completion_tokens", None, minimum=1)
     else:
         max_tokens = reader.integer("max_tokens", None, minimum=1)
-    options = _parse_options(reader, max_tokens, vocab_size)
+    options = _parse_options(reader, max_tokens, vocab_size, n, logprobs)
     return ChatRequest(_parse_messages(body.get("messages")), options)
 
 
-def _reject_unsupported(
-    reader: BodyReader, echo: bool = False, best_of: bool = False, suffix: bool = False
-) -> None:
-    if reader.integer("n", 1, minimum=1) != 1:
-        raise invalid_param("n", "Only n=1 is supported.")
-    if best_of and reader.integer("best_of", 1, minimum=1) != 1:
-        raise invalid_param("best_of", "Only best_of=1 is supported.")
-    if echo and reader.boolean("echo", False):
-        raise invalid_param("echo", "'echo' is not supported yet.")
-    if suffix and reader.string("suffix"):
-        raise invalid_param("suffix", "'suffix' is not supported.")
+def _parse_n(reader: BodyReader) -> int:
+    n = reader.integer("n", 1, minimum=1, maximum=MAX_N)
+    assert n is not None
+    return n
 
 
 def _parse_options(
-    reader: BodyReader, max_tokens: int | None, vocab_size: int
+    reader: BodyReader, max_tokens: int | None, vocab_size: int, n: int, logprobs: int | None
 ) -> GenerationOptions:
     stream = reader.boolean("stream", False)
     return GenerationOptions(
         model=reader.string("model"),
         max_tokens=max_tokens,
+        n=n,
+        logprobs=logprobs,
         stream=stream,
         include_usage=_parse_stream_options(reader.body.get("stream_options"), stream),
         stop=_parse_stop(reader.body.get("stop")),
@@ -209,24 +233,6 @@ def _parse_logit_bias(raw: Any, vocab_size: int) -> dict[int, float]:
             )
         bias[token] = float(value)
     return bias
-
-
-def _parse_prompt(raw: Any, vocab_size: int) -> str | list[int]:
-    if raw is None:
-        raise invalid_param("prompt", "'prompt' is required.", code="missing_required_parameter")
-    if isinstance(raw, list) and raw and all(isinstance(item, str | list) for item in raw):
-        if len(raw) != 1:
-            raise invalid_param("prompt", "Only one prompt per request is supported.")
-        raw = raw[0]
-    if isinstance(raw, str):
-        return raw
-    if not isinstance(raw, list):
-        raise invalid_param(
-            "prompt", "'prompt' must be a string, a list of one string, or a list of token ids."
-        )
-    if not raw:
-        raise invalid_param("prompt", "'prompt' must not be empty.")
-    return [check_token_id("prompt", item, vocab_size) for item in raw]
 
 
 def _parse_messages(raw: Any) -> list[ChatMessage]:

@@ -15,15 +15,20 @@ import jinja2
 
 from frontend.errors import invalid_param
 from frontend.schemas import ChatMessage
+from frontend.token_texts import TokenTexts
 
 
 class TokenizerService:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     async def encode_prompt(self, text: str) -> list[int]:
         return await self._run(self._encode, text, True)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run(self._decode, token_ids)
 
     async def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         conversation = [{"role": m.role, "content": m.content} for m in messages]
@@ -37,6 +42,9 @@ class TokenizerService:
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _render_and_encode(self, conversation: list[dict[str, str]]) -> list[int]:
         try:
