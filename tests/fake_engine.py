@@ -96,6 +96,12 @@ class _Running:
     generated: int = 0
 
 
+def fake_logprobs(token_id: int, num_top: int) -> list[Any]:
+    """[chosen logprob, top-N]: the chosen token at -0.5, then the ids after it at
+    -1.5, -2.5, ..."""
+    return [-0.5, [[token_id + rank, -0.5 - rank] for rank in range(num_top)]]
+
+
 @dataclass
 class FakeEngine:
     endpoints: Endpoints
@@ -104,6 +110,8 @@ class FakeEngine:
     # The tokens to answer a request with, cycled when shorter than max_tokens.
     reply: Callable[[AddRequest], list[int]] = lambda request: [5, 6, 7]
     refuse: Callable[[AddRequest], str | None] = lambda request: None
+    # A token's logprobs entry, for requests that ask for logprobs.
+    logprobs: Callable[[int, int], list[Any]] = fake_logprobs
     adds: list[AddRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     num_bad_frames: int = 0
@@ -184,7 +192,9 @@ class FakeEngine:
             finish = self._finish_reason(running, token)
             if finish is not None:
                 del self._running[request_id]
-            outputs.append(RequestOutput(request_id, [token], finish))
+            num_top = running.request.sampling.logprobs
+            logprobs = None if num_top is None else [self.logprobs(token, num_top)]
+            outputs.append(RequestOutput(request_id, [token], finish, logprobs=logprobs))
         self.step += 1
         stats = StepStats(num_running=len(self._running), num_generation_tokens=len(outputs))
         await self.send(StepOutputs(self.step, outputs, stats))

@@ -93,3 +93,30 @@ async def test_errors_surface_as_sdk_exceptions(sdk: openai.AsyncOpenAI) -> None
     with pytest.raises(openai.BadRequestError) as bad:
         await sdk.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, top_p=7)
     assert bad.value.param == "top_p"
+
+
+async def test_n_and_logprobs_pass_strict_sdk_validation(
+    harness: FrontendHarness, sdk: openai.AsyncOpenAI
+) -> None:
+    harness.reply_with(REPLY)
+    chat = await sdk.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, n=2, logprobs=True, top_logprobs=2
+    )
+    assert [choice.index for choice in chat.choices] == [0, 1]
+    content = chat.choices[1].logprobs.content
+    assert b"".join(bytes(token.bytes) for token in content).decode() == REPLY
+    stream = await sdk.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, n=2, logprobs=True, stream=True
+    )
+    streamed = {0: "", 1: ""}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {0: REPLY, 1: REPLY}
+    completion = await sdk.completions.create(
+        model=MODEL_NAME, prompt=[[5, 6], [7]], n=2, logprobs=3, max_tokens=4
+    )
+    assert len(completion.choices) == 4
+    assert all(len(choice.logprobs.tokens) == 4 for choice in completion.choices)
+    echoed = await sdk.completions.create(model=MODEL_NAME, prompt="Hi", echo=True)
+    assert echoed.choices[0].text == "Hi" + REPLY
