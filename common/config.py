@@ -25,6 +25,7 @@ class EngineConfig:
     batching: str = "continuous"  # continuous | static
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first, FCFS within a level)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -65,6 +66,7 @@ class EngineConfig:
             batching=args.batching,
             scheduling_policy=args.scheduling_policy,
             enable_chunked_prefill=not args.no_enable_chunked_prefill,
+            enable_prefix_caching=not args.no_enable_prefix_caching,
             seed=args.seed,
         )
 
@@ -86,4 +88,5 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--batching", default="continuous", choices=["continuous", "static"])
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--no-enable-chunked-prefill", action="store_true")
+    engine.add_argument("--no-enable-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)

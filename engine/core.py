@@ -50,7 +50,8 @@ class EngineCore:
                                  model_config.max_position_embeddings)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device,
@@ -157,6 +158,8 @@ class EngineCore:
             num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=num_generated,
             step_time_s=step_time,
+            prefix_cache_queries_total=self.block_manager.stats.queries,
+            prefix_cache_hits_total=self.block_manager.stats.hits,
         )
 
     def check_integrity(self) -> list[str]:

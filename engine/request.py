@@ -27,6 +27,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission

@@ -29,6 +29,7 @@ class WaitReason:
     NO_BLOCKS = "no_blocks"
     BATCH_CLOSED = "batch_closed"  # static batching: the current batch has not finished
     PREEMPTION = "preemption"  # a request was preempted this step: admit nobody
+    PREFIX_PENDING = "prefix_pending"  # a running request is computing this prompt's prefix
 
 
 @dataclass(slots=True)
@@ -164,7 +165,10 @@ class Scheduler:
         return SchedulerOutput(chunks, trace)
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        wanted = request.num_uncomputed_tokens
+        return self._fit(request.num_uncomputed_tokens, budget)
+
+    def _fit(self, wanted: int, budget: int) -> int:
+        """Tokens of `wanted` that run this step: all, a chunk, or none."""
         if wanted <= budget:
             return wanted
         return budget if self.config.enable_chunked_prefill else 0
@@ -207,28 +211,35 @@ class Scheduler:
         reason = WaitReason.PREEMPTION if trace.preempted else None
         while self.waiting and reason is None:
             request = self.waiting[0]
-            reason = self._why_not_admit(request, budget)
+            prefix = self.block_manager.cached_prefix(request)
+            reason = self._why_not_admit(request, prefix, budget)
             if reason is None:
+                self._admit(request, prefix)
                 num_tokens = self._chunk_size(request, budget)
-                self._admit(request, request.num_computed_tokens + num_tokens)
+                self.block_manager.allocate(request, request.num_computed_tokens + num_tokens)
                 chunks.append(ScheduledChunk(request, num_tokens))
                 budget -= num_tokens
         for request in self.waiting:
             trace.waited[request.request_id] = reason
 
-    def _why_not_admit(self, request: Request, budget: int) -> str | None:
+    def _why_not_admit(self, request: Request, prefix: list[int], budget: int) -> str | None:
         if len(self.running) >= self.config.max_num_seqs:
             return WaitReason.NO_SEAT
-        num_tokens = self._chunk_size(request, budget)
+        if self.block_manager.next_block_inflight(request, len(prefix)):
+            return WaitReason.PREFIX_PENDING
+        cached_tokens = len(prefix) * self.block_manager.block_size
+        num_tokens = self._fit(request.num_tokens - cached_tokens, budget)
         if num_tokens == 0:
             return WaitReason.NO_BUDGET
-        if not self.block_manager.can_allocate(request, request.num_computed_tokens + num_tokens):
+        if not self.block_manager.can_allocate(request, cached_tokens + num_tokens, prefix):
             return WaitReason.NO_BLOCKS
         return None
 
-    def _admit(self, request: Request, num_tokens_to_cover: int) -> None:
+    def _admit(self, request: Request, prefix: list[int]) -> None:
         self.waiting.pop(0)
-        self.block_manager.allocate(request, num_tokens_to_cover)
+        self.block_manager.take_prefix(request, prefix)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -241,9 +252,11 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.block_manager.can_allocate(request, request.num_tokens):
+            prefix = self.block_manager.cached_prefix(request)
+            if not self.block_manager.can_allocate(request, request.num_tokens, prefix):
                 break
-            self._admit(request, request.num_tokens)
+            self._admit(request, prefix)
+            self.block_manager.allocate(request, request.num_tokens)
         # The batch's prompts then prefill under the token budget like any running request.
         self._schedule_running(chunks, trace, budget)
         for request in self.waiting:
@@ -257,6 +270,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_computed_blocks(request)
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue

@@ -15,13 +15,21 @@ FILLER_TOKEN = 7
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 1024,
                    **config_overrides) -> Scheduler:
     config = EngineConfig(model="unused", block_size=block_size, **config_overrides)
-    return Scheduler(config, BlockManager(num_blocks, block_size), max_model_len, [EOS])
+    manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+    return Scheduler(config, manager, max_model_len, [EOS])
 
 
-def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, priority: int = 0,
-                 **sampling) -> Request:
+def distinct_prompt(request_id: str, length: int) -> list[int]:
+    """Token ids unique to the request id, so prompts share no prefix-cache blocks."""
+    salt = sum(ord(char) * 31**i for i, char in enumerate(request_id)) % 100_000
+    return [1000 + salt * 1000 + i for i in range(length)]
+
+
+def make_request(request_id: str, prompt_len: int = 0, max_tokens: int = 4, priority: int = 0,
+                 prompt: list[int] | None = None, **sampling) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
-    return Request(request_id, list(range(1, prompt_len + 1)), params, priority=priority)
+    tokens = prompt if prompt is not None else distinct_prompt(request_id, prompt_len)
+    return Request(request_id, tokens, params, priority=priority)
 
 
 def run_step(scheduler: Scheduler) -> SchedulerOutput:
