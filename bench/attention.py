@@ -1,0 +1,152 @@
+"""Per-layer paged attention timings: the reference oracle vs the fast path.
+
+    python -m bench.attention [--repeats N] [--threads N]
+
+Shapes follow SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64) with 16-token blocks.
+Each figure is the median of N calls of one layer (K/V write included): `torch` is the
+fast path with the C++ decode kernel off, `cpp` with it on (decode configs only); `plan` is
+the once-per-step cost of AttentionMetadata.build, shared by all 30 layers. On a machine
+shared with other work, run with OMP_WAIT_POLICY=passive (spinning OpenMP workers that lose
+their core turn every parallel op into a scheduler quantum) or --threads 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine import attention
+from engine.attention import AttentionMetadata, paged_attention, reference_attention, write_kv
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    requests: list[tuple[int, int]]  # (query_len, seq_len), decodes first
+
+
+def decode_batch(batch: int, seed: int = 0) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(1, rng.randint(100, 1000)) for _ in range(batch)]
+
+
+CONFIGS = [
+    Config("decode b=1", decode_batch(1)),
+    Config("decode b=16", decode_batch(16)),
+    Config("decode b=64", decode_batch(64)),
+    Config("prefill 512", [(512, 512)]),
+    Config("prefill 512 on 512 cached", [(512, 1024)]),
+    Config("mixed 62 decodes + 2 chunks", [*decode_batch(62), (256, 256), (256, 768)]),
+]
+
+
+@dataclass
+class Setup:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    build: Callable[[], AttentionMetadata]
+
+
+def make_setup(config: Config, dtype: torch.dtype) -> Setup:
+    needed = [-(-seq_len // BLOCK_SIZE) for _, seq_len in config.requests]
+    blocks = list(range(sum(needed)))
+    random.Random(1).shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(n)] for n in needed]
+    slots = [
+        table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        for (query_len, seq_len), table in zip(config.requests, tables, strict=True)
+        for pos in range(seq_len - query_len, seq_len)
+    ]
+    cache_shape = (sum(needed), NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    query_lens = [query_len for query_len, _ in config.requests]
+    seq_lens = [seq_len for _, seq_len in config.requests]
+    return Setup(
+        q=torch.randn(len(slots), NUM_HEADS, HEAD_DIM, dtype=dtype),
+        k=torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, dtype=dtype),
+        v=torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, dtype=dtype),
+        k_cache=torch.randn(cache_shape, dtype=dtype),
+        v_cache=torch.randn(cache_shape, dtype=dtype),
+        build=lambda: AttentionMetadata.build(query_lens, seq_lens, tables, slots, BLOCK_SIZE,
+                                              "cpu"),
+    )
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench(config: Config, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    s = make_setup(config, dtype)
+    metadata = s.build()
+    scale = HEAD_DIM**-0.5
+
+    def reference() -> torch.Tensor:
+        write_kv(s.k, s.v, s.k_cache, s.v_cache, metadata.slot_mapping)
+        return reference_attention(s.q, s.k_cache, s.v_cache, metadata, scale)
+
+    def fast() -> torch.Tensor:
+        return paged_attention(s.q, s.k, s.v, s.k_cache, s.v_cache, metadata, scale)
+
+    def plan() -> None:  # the torch path's whole per-step plan (with decode buckets)
+        s.build().head_plan(NUM_KV_HEADS, BLOCK_SIZE, gather_decodes=True)
+
+    figures = {"reference": median_ms(reference, max(3, repeats // 4))}
+    use_cpp = attention.CPP_DECODE
+    try:
+        attention.CPP_DECODE = False
+        figures["torch"] = median_ms(fast, repeats)
+        attention.CPP_DECODE = True
+        if has_decodes(config) and attention.load_cpp_decode() is not None:
+            figures["cpp"] = median_ms(fast, repeats)
+    finally:
+        attention.CPP_DECODE = use_cpp
+    figures["plan"] = median_ms(plan, repeats)
+    return figures
+
+
+def has_decodes(config: Config) -> bool:
+    return any(query_len == 1 for query_len, _ in config.requests)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU "
+          f"{torch.backends.cpu.get_cpu_capability()}, native bf16 matmul: "
+          f"{attention.native_bf16_matmul()}; H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
+          f"block={BLOCK_SIZE}; ms per layer (median of {args.repeats})")
+    columns = ("reference", "torch", "cpp", "plan")
+    print(f"{'config':28} {'dtype':9}" + "".join(f"{c:>10}" for c in columns) + "   speedup")
+    for dtype in (torch.bfloat16, torch.float32):
+        for config in CONFIGS:
+            figures = bench(config, dtype, args.repeats)
+            cells = "".join(f"{figures[c]:10.2f}" if c in figures else f"{'-':>10}"
+                            for c in columns)
+            best = min(figures.get("cpp", figures["torch"]), figures["torch"])
+            print(f"{config.name:28} {str(dtype).removeprefix('torch.'):9}{cells}"
+                  f"   {figures['reference'] / best:6.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

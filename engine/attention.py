@@ -1,0 +1,851 @@
+"""Paged attention: the ONE function boundary between the model and the KV cache layout.
+
+The KV cache of one layer is a pair of tensors shaped
+[num_blocks, num_kv_heads, block_size, head_dim] (head-major inside a block).
+Every step the model runner builds one AttentionMetadata for the flattened
+variable-length batch (`AttentionMetadata.build`); each layer calls
+`paged_attention`, which writes the step's new K/V through the slot mapping and
+attends each request's queries over its whole context (cached blocks + the new
+tokens, causally).
+
+Everything derivable from the metadata alone (decode/prefill split, gather
+indices, masks) is planned once per step and shared by all layers. Requests
+with one new token ("decodes") go through one batched path: a small C++ kernel
+that reads the paged cache in place when it is enabled and compiles, else one
+gather into a reused buffer and the query heads of each KV head folded into one
+attention call. Prefill chunks use SDPA's fused causal kernel, with a
+causal-offset mask when they sit on cached tokens. The torch decode path reads
+padding slots past a request's context and masks them out, so the caches must
+hold finite values everywhere: allocate them with `torch.zeros`.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# Decode buckets (torch path): requests sorted by context length and padded per bucket.
+MAX_DECODE_BUCKETS = 4
+# The cost of one more bucket (a few more small kernels) in units of one request-block of
+# gathered K/V; it decides how many buckets pay off.
+BUCKET_OVERHEAD_BLOCKS = 96
+# How a decode bucket is computed on the torch path: "auto" takes explicit matmuls where the
+# CPU has native GEMMs for the dtype (fp32; bf16 with AVX512-BF16/AMX), else SDPA's kernel.
+DECODE_KERNEL: Literal["auto", "matmul", "sdpa"] = "auto"
+# The C++ paged-decode kernel (CPU, fp32/bf16); LOOM_CPP_DECODE=0 turns it off.
+CPP_DECODE = os.environ.get("LOOM_CPP_DECODE", "1") != "0"
+
+
+class Workspace:
+    """Grow-only scratch buffers reused across layers and steps.
+
+    Large temporaries get fresh pages from the OS on every allocation, so the
+    gathered K/V live in persistent flat buffers handed out as views.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel]
+
+
+DEFAULT_WORKSPACE = Workspace()
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decodes with similar context lengths, padded to one number of blocks (torch path)."""
+
+    rows: torch.Tensor  # [n] int64: rows of q served by this bucket
+    row_range: tuple[int, int] | None  # the same rows when they are one ascending run
+    block_ids: torch.Tensor  # [n, num_blocks] int64, padded with block 0
+    visible: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: key inside the context
+    biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks
+
+    @property
+    def size(self) -> int:
+        return self.rows.numel()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_ids.shape[1]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Every request with a single new token; it attends its whole context."""
+
+    rows: list[int]  # their rows of q
+    seq_lens: list[int]
+    row_index: torch.Tensor  # [n] int64, the rows on device
+    lens: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [n, max_blocks] int64 (rows may be strided)
+    max_block: int  # the largest block id in their tables
+    buckets: list[DecodeBucket] | None = None  # torch path, planned on first use
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """A request with several new tokens; on cached tokens it reads its blocks under a mask."""
+
+    start: int  # its queries are rows [start, end) of q
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor | None  # [num_blocks] int64 when it sits on cached tokens
+    mask: torch.Tensor | None  # [query_len, seq_len] bool: key j visible to query i
+    biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks
+
+    @property
+    def has_cached_prefix(self) -> bool:
+        return self.block_ids is not None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything derivable from the metadata alone, shared by every layer of a step."""
+
+    block_size: int
+    decodes: DecodeBatch | None
+    prefills: list[PrefillChunk]
+
+
+@dataclass(slots=True)
+class HeadPlan:
+    """The step plan expanded for one number of KV heads: row indices into the caches."""
+
+    write_rows: torch.Tensor  # [T * num_kv_heads]: cache row of each new (token, head)
+    gather_rows: torch.Tensor  # [R]: (block, head) rows to gather, all segments in order
+    decode_starts: list[int]  # gather-buffer row offset of each decode bucket
+    prefill_starts: list[int]  # ... of each prefill chunk on a cached prefix
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: list[int]  # [B + 1]: request i's queries are rows [s_i, s_{i+1}) of q
+    seq_lens: list[int]  # [B]: context length of request i after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int64 on device, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 on device: block_id * block_size + offset per new token
+    plan: StepPlan | None = None  # made by `build`, else by the first layer
+    workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
+    head_plans: dict[tuple[int, bool], HeadPlan] = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> list[int]:
+        starts = self.query_start_loc
+        return [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.query_lens.count(1)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        block_size: int,
+        device: torch.device | str,
+        workspace: Workspace | None = None,
+    ) -> AttentionMetadata:
+        """One step's metadata, with the plan every layer reuses computed up front."""
+        for table, seq_len in zip(block_tables, seq_lens, strict=True):
+            if len(table) * block_size < seq_len:
+                raise ValueError(f"a block table of {len(table)} blocks for {seq_len} tokens")
+        device = torch.device(device)
+        width = max(map(len, block_tables), default=0)
+        padded = itertools.chain.from_iterable(
+            itertools.chain(table, itertools.repeat(0, width - len(table)))
+            for table in block_tables)
+        metadata = cls(
+            query_start_loc=[0, *itertools.accumulate(query_lens)],
+            seq_lens=list(seq_lens),
+            block_tables=int_tensor(padded, device).view(len(block_tables), width),
+            slot_mapping=int_tensor(slot_mapping, device),
+            workspace=workspace or DEFAULT_WORKSPACE,
+        )
+        metadata.plan = plan_step(metadata, block_size)
+        return metadata
+
+    def step_plan(self, block_size: int) -> StepPlan:
+        if self.plan is None:
+            self.plan = plan_step(self, block_size)
+        if self.plan.block_size != block_size:
+            raise ValueError(f"metadata planned for blocks of {self.plan.block_size} tokens, "
+                             f"the cache has {block_size}")
+        return self.plan
+
+    def head_plan(self, num_kv_heads: int, block_size: int, gather_decodes: bool) -> HeadPlan:
+        key = (num_kv_heads, gather_decodes)
+        if key not in self.head_plans:
+            plan = self.step_plan(block_size)
+            self.head_plans[key] = expand_for_heads(plan, self.slot_mapping, num_kv_heads,
+                                                    gather_decodes)
+        return self.head_plans[key]
+
+
+# ---------------------------------------------------------------- planning, once per step
+
+
+def blocks_for(seq_len: int, block_size: int) -> int:
+    return -(-seq_len // block_size)
+
+
+def int_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor from Python ints, several times faster than torch.tensor on a list."""
+    buffer = array.array("q", values)
+    if not buffer:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.frombuffer(buffer, dtype=torch.int64).to(device, copy=True)
+
+
+def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    query_lens = metadata.query_lens
+    if metadata.block_tables.shape[1] * block_size < max(metadata.seq_lens, default=0):
+        raise ValueError("block tables are narrower than the longest context")
+    decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+    prefills = [plan_prefill(metadata, i, block_size)
+                for i, query_len in enumerate(query_lens) if query_len > 1]
+    decodes = plan_decodes(metadata, decode_ids) if decode_ids else None
+    return StepPlan(block_size, decodes, prefills)
+
+
+def plan_decodes(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
+    device = metadata.block_tables.device
+    if ids == list(range(len(ids))):  # the runner's order: decodes first
+        block_tables = metadata.block_tables[:len(ids)]
+    else:
+        block_tables = metadata.block_tables[int_tensor(ids, device)]
+    rows = [metadata.query_start_loc[i] for i in ids]
+    seq_lens = [metadata.seq_lens[i] for i in ids]
+    return DecodeBatch(rows, seq_lens, int_tensor(rows, device), int_tensor(seq_lens, device),
+                       block_tables, int(block_tables.max()))
+
+
+def plan_prefill(metadata: AttentionMetadata, i: int, block_size: int) -> PrefillChunk:
+    start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+    seq_len, query_len = metadata.seq_lens[i], end - start
+    if seq_len == query_len:
+        return PrefillChunk(start, end, seq_len, None, None)
+    device = metadata.block_tables.device
+    positions = torch.arange(seq_len - query_len, seq_len, device=device)
+    mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
+    block_ids = metadata.block_tables[i, :blocks_for(seq_len, block_size)]
+    return PrefillChunk(start, end, seq_len, block_ids, mask)
+
+
+def decode_buckets(batch: DecodeBatch, block_size: int) -> list[DecodeBucket]:
+    if batch.buckets is None:
+        batch.buckets = plan_decode_buckets(batch, block_size)
+    return batch.buckets
+
+
+def plan_decode_buckets(batch: DecodeBatch, block_size: int) -> list[DecodeBucket]:
+    order = sorted(range(batch.size), key=batch.seq_lens.__getitem__)
+    sorted_blocks = [blocks_for(batch.seq_lens[j], block_size) for j in order]
+    bounds = choose_bucket_bounds(sorted_blocks, MAX_DECODE_BUCKETS)
+    if len(bounds) == 2:
+        order = list(range(batch.size))  # one bucket: keep the runner's order
+    return [make_decode_bucket(batch, order[lo:hi], block_size)
+            for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
+def choose_bucket_bounds(sorted_blocks: list[int], max_buckets: int) -> list[int]:
+    """Equal-count split points into ascending block counts minimising padding + overhead."""
+    n = len(sorted_blocks)
+    best_cost, best_bounds = None, [0, n]
+    for k in range(1, min(max_buckets, n) + 1):
+        bounds = [round(j * n / k) for j in range(k + 1)]
+        padded = sum((hi - lo) * sorted_blocks[hi - 1]
+                     for lo, hi in itertools.pairwise(bounds) if hi > lo)
+        cost = padded + k * BUCKET_OVERHEAD_BLOCKS
+        if best_cost is None or cost < best_cost:
+            best_cost, best_bounds = cost, bounds
+    return best_bounds
+
+
+def make_decode_bucket(batch: DecodeBatch, members: list[int], block_size: int) -> DecodeBucket:
+    """A bucket of the batch's decodes `members` (indices into the batch)."""
+    device = batch.row_index.device
+    rows = [batch.rows[j] for j in members]
+    num_blocks = max(blocks_for(batch.seq_lens[j], block_size) for j in members)
+    if members == list(range(members[0], members[0] + len(members))):
+        picked = slice(members[0], members[0] + len(members))
+        block_ids, lens = batch.block_tables[picked], batch.lens[picked]
+    else:
+        index = int_tensor(members, device)
+        block_ids, lens = batch.block_tables[index], batch.lens[index]
+    visible = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+    is_run = rows == list(range(rows[0], rows[0] + len(rows)))
+    return DecodeBucket(
+        rows=int_tensor(rows, device),
+        row_range=(rows[0], rows[0] + len(rows)) if is_run else None,
+        block_ids=block_ids[:, :num_blocks].contiguous(),
+        visible=visible[:, None, None, :],
+    )
+
+
+def additive_mask(
+    visible: torch.Tensor, dtype: torch.dtype, cache: dict[torch.dtype, torch.Tensor],
+) -> torch.Tensor:
+    """0 / -inf in `dtype`, made once per step: SDPA would convert a bool mask every call."""
+    if dtype not in cache:
+        zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        cache[dtype] = zeros.masked_fill_(~visible, float("-inf"))
+    return cache[dtype]
+
+
+def expand_for_heads(
+    plan: StepPlan, slot_mapping: torch.Tensor, num_kv_heads: int, gather_decodes: bool,
+) -> HeadPlan:
+    """Block ids -> rows of the cache viewed as [num_blocks * num_kv_heads, block_size, D]."""
+    heads = torch.arange(num_kv_heads, dtype=torch.int64, device=slot_mapping.device)
+    decode_pieces = []
+    if gather_decodes and plan.decodes is not None:
+        decode_pieces = [(bucket.block_ids[:, None, :] * num_kv_heads + heads[None, :, None])
+                         .flatten() for bucket in decode_buckets(plan.decodes, plan.block_size)]
+    prefill_pieces = [(chunk.block_ids[None, :] * num_kv_heads + heads[:, None]).flatten()
+                      for chunk in plan.prefills if chunk.block_ids is not None]
+    pieces = decode_pieces + prefill_pieces
+    starts = [0, *itertools.accumulate(piece.numel() for piece in pieces)]
+    return HeadPlan(
+        write_rows=cache_rows(slot_mapping, plan.block_size, num_kv_heads),
+        gather_rows=torch.cat(pieces) if pieces else heads[:0],
+        decode_starts=starts[:len(decode_pieces)],
+        prefill_starts=starts[len(decode_pieces):len(pieces)],
+    )
+
+
+def cache_rows(slot_mapping: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """Row of each (token, kv head) in the cache viewed as [num_blocks * H * block_size, D]."""
+    heads = torch.arange(num_kv_heads, dtype=torch.int64, device=slot_mapping.device)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    return ((blocks[:, None] * num_kv_heads + heads[None, :]) * block_size
+            + offsets[:, None]).flatten()
+
+
+# ---------------------------------------------------------------- per layer
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    rows = cache_rows(slot_mapping, k_cache.shape[2], k_cache.shape[1])
+    write_kv_rows(k, v, k_cache, v_cache, rows)
+
+
+def write_kv_rows(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """One indexed copy per cache."""
+    head_dim = k_cache.shape[-1]
+    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
+    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    plan = metadata.step_plan(block_size)
+    use_kernel = plan.decodes is not None and cpp_decode_applies(q, k_cache, v_cache)
+    head_plan = metadata.head_plan(num_kv_heads, block_size, gather_decodes=not use_kernel)
+    write_kv_rows(k, v, k_cache, v_cache, head_plan.write_rows)
+    keys, values = gather_context(k_cache, v_cache, head_plan.gather_rows, metadata.workspace)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if use_kernel:
+        assert plan.decodes is not None
+        cpp_decode(q, k_cache, v_cache, plan.decodes, scale, out)
+    elif plan.decodes is not None:
+        buckets = decode_buckets(plan.decodes, block_size)
+        in_place = len(buckets) == 1 and buckets[0].row_range == (0, buckets[0].size)
+        for bucket, start in zip(buckets, head_plan.decode_starts, strict=True):
+            decode_bucket(q, out, bucket, keys, values, start, num_kv_heads, scale, in_place)
+    cached_starts = iter(head_plan.prefill_starts)
+    for chunk in plan.prefills:
+        if chunk.has_cached_prefix:
+            prefill_on_cache(q, out, chunk, keys, values, next(cached_starts), num_kv_heads, scale)
+        else:
+            prefill_fresh(q, k, v, out, chunk, scale)
+    return out
+
+
+def gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, workspace: Workspace,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One index_select per cache into reused buffers: [R, block_size, head_dim] each."""
+    row_shape = k_cache.shape[2:]
+    numel = rows.numel() * row_shape.numel()
+    keys = workspace.get("k", numel, k_cache.dtype, k_cache.device).view(-1, *row_shape)
+    values = workspace.get("v", numel, v_cache.dtype, v_cache.device).view(-1, *row_shape)
+    if numel:
+        torch.index_select(k_cache.view(-1, *row_shape), 0, rows, out=keys)
+        torch.index_select(v_cache.view(-1, *row_shape), 0, rows, out=values)
+    return keys, values
+
+
+def segment(
+    buffer: torch.Tensor, start: int, count: int, num_kv_heads: int, num_blocks: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`count * num_kv_heads * num_blocks` gathered rows from `start` as [count, H, L, D]."""
+    block_size, head_dim = buffer.shape[1], buffer.shape[2]
+    rows = buffer[start:start + count * num_kv_heads * num_blocks]
+    return rows.view(count, num_kv_heads, num_blocks * block_size, head_dim).to(dtype)
+
+
+def decode_bucket(
+    q: torch.Tensor, out: torch.Tensor, bucket: DecodeBucket, keys: torch.Tensor,
+    values: torch.Tensor, start: int, num_kv_heads: int, scale: float, in_place: bool,
+) -> None:
+    """The query heads sharing a KV head are folded into the query axis: [n, H_kv, group, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    n = bucket.size
+    key_seg = segment(keys, start, n, num_kv_heads, bucket.num_blocks, q.dtype)
+    value_seg = segment(values, start, n, num_kv_heads, bucket.num_blocks, q.dtype)
+    if bucket.row_range is not None:
+        query = q[bucket.row_range[0]:bucket.row_range[1]]
+    else:
+        query = q.index_select(0, bucket.rows)
+    query = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    target = out[:n].view(query.shape) if in_place else None
+    attend = attend_matmul if decode_uses_matmul(q) else attend_sdpa
+    attended = attend(query, key_seg, value_seg, bucket, scale, target)
+    if in_place:
+        return
+    attended = attended.view(n, num_heads, head_dim)
+    if bucket.row_range is not None:
+        out[bucket.row_range[0]:bucket.row_range[1]] = attended
+    else:
+        out.index_copy_(0, bucket.rows, attended)
+
+
+@functools.cache
+def native_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bf16 natively here (AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def decode_uses_matmul(query: torch.Tensor) -> bool:
+    if DECODE_KERNEL != "auto":
+        return DECODE_KERNEL == "matmul"
+    if query.device.type != "cpu":
+        return False
+    return query.dtype == torch.float32 or (query.dtype == torch.bfloat16
+                                            and native_bf16_matmul())
+
+
+def attend_matmul(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket,
+    scale: float, out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Explicit matmul -> fp32 masked softmax -> matmul."""
+    bias = additive_mask(bucket.visible, torch.float32, bucket.biases)
+    scores = torch.matmul(query * scale, keys.transpose(2, 3)).float().add_(bias)
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    if out is None:
+        return torch.matmul(probs, values)
+    return torch.matmul(probs, values, out=out)
+
+
+def attend_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket,
+    scale: float, out: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA's fused CPU kernel converts bf16 tiles itself: the choice without native bf16."""
+    bias = additive_mask(bucket.visible, query.dtype, bucket.biases)
+    attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
+    return attended if out is None else out.copy_(attended)
+
+
+def prefill_fresh(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk,
+    scale: float,
+) -> None:
+    """No cached prefix: plain causal attention over the chunk's own K/V."""
+    rows = slice(chunk.start, chunk.end)
+    attended = F.scaled_dot_product_attention(
+        heads_first(q[rows]), heads_first(k[rows]).to(q.dtype), heads_first(v[rows]).to(q.dtype),
+        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    out[rows] = attended[0].transpose(0, 1)
+
+
+def prefill_on_cache(
+    q: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk, keys: torch.Tensor,
+    values: torch.Tensor, start: int, num_kv_heads: int, scale: float,
+) -> None:
+    """New tokens on cached ones: attend the gathered context under a causal-offset mask."""
+    assert chunk.block_ids is not None and chunk.mask is not None
+    rows, num_blocks = slice(chunk.start, chunk.end), chunk.block_ids.numel()
+    key_seg = segment(keys, start, 1, num_kv_heads, num_blocks, q.dtype)
+    value_seg = segment(values, start, 1, num_kv_heads, num_blocks, q.dtype)
+    attended = F.scaled_dot_product_attention(
+        heads_first(q[rows]), key_seg[:, :, :chunk.seq_len], value_seg[:, :, :chunk.seq_len],
+        attn_mask=additive_mask(chunk.mask, q.dtype, chunk.biases), scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads,
+    )
+    out[rows] = attended[0].transpose(0, 1)
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[L, H, D] -> [1, H, L, D]: SDPA's fused CPU kernel only takes 4-D inputs."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+# ---------------------------------------------------------------- C++ paged-decode kernel
+
+# Plain C++ (no torch headers: it compiles in seconds), loaded through ctypes. One OpenMP
+# task per (request, kv head) reads that head's blocks straight from the paged cache, with
+# the next block prefetched, and keeps scores, softmax and accumulators in fp32.
+CPP_SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {  // round to nearest even; NaN stays NaN
+  uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *dst = uint16_t((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = uint16_t(bits >> 16);
+}
+
+// exp(x) for x <= 0 (a score minus its row max) in plain arithmetic that vectorizes.
+inline float exp_nonpositive(float x) {
+  x = x > -87.0f ? x : -87.0f;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+}
+
+inline void prefetch(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+constexpr int kMaxGroup = 16;
+constexpr int kMaxDim = 256;
+
+struct Task {
+  int64_t seq_len, head, group, num_kv_heads, block_size;
+  float scale;
+};
+
+// One (request, kv head): the scores of its `group` query heads over the context, softmax,
+// then the weighted sum of values. kDim > 0 fixes head_dim at compile time.
+template <typename T, int kDim>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
+                std::vector<float>& tile) {
+  const int64_t dim = kDim > 0 ? kDim : dim_arg;
+  const int64_t bs = a.block_size, group = a.group, len = a.seq_len;
+  const int64_t block_elems = bs * dim;
+  const int64_t num_blocks = (len + bs - 1) / bs;
+  alignas(64) float query[kMaxGroup][kMaxDim];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d)
+      query[g][d] = to_float(q[(a.head * group + g) * dim + d]) * a.scale;
+  scores.resize(group * len);
+  tile.resize(block_elems);
+  float* kf = tile.data();
+  auto block_ptr = [&](const T* cache, int64_t b) {
+    return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
+  };
+
+  float maxes[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) maxes[g] = -INFINITY;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + 1 < num_blocks) prefetch(block_ptr(k_cache, b + 1), block_elems * sizeof(T));
+    const int64_t start = b * bs, count = std::min(bs, len - start);
+    const T* keys = block_ptr(k_cache, b);
+    for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(keys[i]);
+    int64_t t = 0;
+    for (; t + 4 <= count; t += 4) {
+      const float* k0 = kf + t * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        const float* qg = query[g];
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < dim; ++d) {
+          s0 += qg[d] * k0[d];
+          s1 += qg[d] * k0[dim + d];
+          s2 += qg[d] * k0[2 * dim + d];
+          s3 += qg[d] * k0[3 * dim + d];
+        }
+        float* sg = scores.data() + g * len + start + t;
+        sg[0] = s0, sg[1] = s1, sg[2] = s2, sg[3] = s3;
+        maxes[g] = std::max(maxes[g], std::max(std::max(s0, s1), std::max(s2, s3)));
+      }
+    }
+    for (; t < count; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        float s = 0.f;
+        const float* qg = query[g];
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; ++d) s += qg[d] * kf[t * dim + d];
+        scores[g * len + start + t] = s;
+        maxes[g] = std::max(maxes[g], s);
+      }
+  }
+
+  float inv_sums[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float total = 0.f;
+    float* sg = scores.data() + g * len;
+    const float m = maxes[g];
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < len; ++j) {
+      sg[j] = exp_nonpositive(sg[j] - m);
+      total += sg[j];
+    }
+    inv_sums[g] = 1.f / total;
+  }
+
+  alignas(64) float acc[kMaxGroup][kMaxDim] = {};
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (b + 1 < num_blocks) prefetch(block_ptr(v_cache, b + 1), block_elems * sizeof(T));
+    const int64_t start = b * bs, count = std::min(bs, len - start);
+    const T* values = block_ptr(v_cache, b);
+    for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(values[i]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* pg = scores.data() + g * len + start;
+      float* ag = acc[g];
+      for (int64_t t = 0; t < count; ++t) {
+        const float p = pg[t];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ag[d] += p * kf[t * dim + d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d)
+      store(out + (a.head * group + g) * dim + d, acc[g][d] * inv_sums[g]);
+}
+
+template <typename T, int kDim>
+void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+            const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
+            const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+            int64_t block_size, int64_t dim, float scale, T* out, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores, tile;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n * num_kv_heads; ++item) {
+      const int64_t r = item / num_kv_heads;
+      const Task a{seq_lens[r], item % num_kv_heads, num_heads / num_kv_heads, num_kv_heads,
+                   block_size, scale};
+      decode_one<T, kDim>(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride,
+                          dim, a, out + rows[r] * num_heads * dim, scores, tile);
+    }
+  }
+}
+
+template <typename T>
+void dispatch(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+              const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
+              const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+              int64_t block_size, int64_t dim, float scale, void* out, int threads) {
+  auto run = [&](auto kernel) {
+    kernel(static_cast<const T*>(q), q_stride, static_cast<const T*>(k_cache),
+           static_cast<const T*>(v_cache), tables, table_stride, seq_lens, rows, n, num_heads,
+           num_kv_heads, block_size, dim, scale, static_cast<T*>(out), threads);
+  };
+  if (dim == 64) run(decode<T, 64>);
+  else if (dim == 128) run(decode<T, 128>);
+  else run(decode<T, 0>);
+}
+
+}  // namespace
+
+extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
+                                 const void* k_cache, const void* v_cache, const int64_t* tables,
+                                 int64_t table_stride, const int64_t* seq_lens,
+                                 const int64_t* rows, int64_t n, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t block_size, int64_t dim,
+                                 float scale, void* out, int threads) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kMaxGroup ||
+      dim > kMaxDim)
+    return 1;
+  auto kernel = is_bf16 ? dispatch<uint16_t> : dispatch<float>;
+  kernel(q, q_stride, k_cache, v_cache, tables, table_stride, seq_lens, rows, n, num_heads,
+         num_kv_heads, block_size, dim, scale, out, threads);
+  return 0;
+}
+"""
+CPP_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+             "-std=c++17"]
+CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
+CPP_COMPILE_TIMEOUT_S = 120
+
+
+def cpp_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (
+        CPP_DECODE
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and q.shape[1] % k_cache.shape[1] == 0
+        and q.shape[1] // k_cache.shape[1] <= CPP_MAX_GROUP
+        and q.shape[2] <= CPP_MAX_DIM
+        and load_cpp_decode() is not None
+    )
+
+
+def cpp_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
+    scale: float, out: torch.Tensor,
+) -> None:
+    kernel = load_cpp_decode()
+    assert kernel is not None
+    if batch.max_block >= k_cache.shape[0]:  # the kernel reads blocks without bounds checks
+        raise IndexError(f"block {batch.max_block} is outside a cache of {k_cache.shape[0]}")
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    tables = batch.block_tables
+    status = kernel(
+        int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
+        batch.row_index.data_ptr(), batch.size, q.shape[1], k_cache.shape[1], k_cache.shape[2],
+        q.shape[2], scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"paged decode kernel refused its arguments ({status})")
+
+
+@functools.cache
+def load_cpp_decode() -> ctypes._CFuncPtr | None:
+    """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
+    try:
+        library = ctypes.CDLL(str(compiled_library()))
+    except (OSError, subprocess.SubprocessError) as error:
+        logger.warning("C++ paged-decode kernel unavailable, using the torch path: %s", error)
+        return None
+    kernel = library.loom_paged_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    kernel.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,
+                       i64, ctypes.c_float, ptr, ctypes.c_int]
+    kernel.restype = ctypes.c_int
+    return kernel
+
+
+def compiled_library() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler found")
+    # -march=native code must never be loaded on another CPU: the CPU is part of the key.
+    key = hashlib.sha256("\n".join(
+        [CPP_SOURCE, compiler, *CPP_FLAGS, cpu_signature(), torch.__version__]).encode())
+    cache_dir = Path(os.environ.get("LOOM_KERNEL_CACHE") or Path.home() / ".cache/loom/kernels")
+    library = cache_dir / f"paged_decode_{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
+        source = Path(build_dir) / "paged_decode.cpp"
+        source.write_text(CPP_SOURCE)
+        built = Path(build_dir) / library.name
+        result = subprocess.run([compiler, *CPP_FLAGS, "-o", str(built), str(source)],
+                                capture_output=True, text=True, timeout=CPP_COMPILE_TIMEOUT_S)
+        if result.returncode != 0:
+            raise OSError(f"compiling the kernel failed: {result.stderr[-2000:]}")
+        os.replace(built, library)  # atomic: concurrent builders never see half a file
+    return library
+
+
+def cpu_signature() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() + platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def reference_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    metadata: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """Straightforward per-request attention over the paged cache: slow, obviously right."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(metadata.seq_lens):
+        start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+        num_blocks = -(-seq_len // block_size)
+        blocks = metadata.block_tables[i, :num_blocks]
+        keys = k_cache[blocks].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+        values = v_cache[blocks].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+        keys, values = keys[:, :seq_len], values[:, :seq_len]
+        query = q[start:end].transpose(0, 1)  # [H, Lq, D]
+        query_len = end - start
+        positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        attended = F.scaled_dot_product_attention(
+            query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[start:end] = attended.transpose(0, 1)
+    return out
