@@ -14,6 +14,7 @@ import torch
 
 from common.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
 from common.protocol import AddRequest, Ready, RequestOutput, StepOutputs, StepStats
+from engine.attention import load_cpp_decode
 from engine.block_manager import BlockManager
 from engine.loader import choose_dtype, load_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -57,6 +58,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device,
                                   self.dtype)
         self.sampler = Sampler(self.device, config.seed)
+        if self.device.type == "cpu":
+            load_cpp_decode()  # compile (or load the cached) decode kernel before READY
         self.totals = EngineTotals()
         self.record_traces = record_traces
         self.traces: list[StepTrace] = []
