@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--shutdown-timeout", type=float, default=3.0,
+                        help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
     add_engine_args(parser)
     return parser.parse_args(argv)
 
@@ -118,7 +120,8 @@ class Launcher:
                    "--outputs-addr", self.endpoints.outputs,
                    "--model-dir", model_dir, "--served-model-name", ready.model_name,
                    "--engine-info", json.dumps(asdict(ready)),
-                   "--log-level", self.args.log_level]
+                   "--log-level", self.args.log_level,
+                   "--shutdown-timeout", str(self.args.shutdown_timeout)]
         self.children["frontend"] = subprocess.Popen(command, preexec_fn=_die_with_parent)
         url = f"http://{self.args.host}:{self.args.port}/health"
         deadline = time.monotonic() + FRONTEND_READY_TIMEOUT_S
@@ -149,14 +152,17 @@ class Launcher:
             time.sleep(0.2)
 
     def stop_all(self) -> None:
-        # The frontend goes first so no new request reaches an engine that is going away.
+        # The frontend goes first: it stops accepting and lets in-flight requests finish
+        # (up to --shutdown-timeout) while the engine still serves them.
+        grace = {"frontend": self.args.shutdown_timeout + STOP_TIMEOUT_S / 2,
+                 "engine": STOP_TIMEOUT_S / 2}
         for name in ("frontend", "engine"):
             child = self.children.get(name)
             if child is None or child.poll() is not None:
                 continue
             child.terminate()
             try:
-                child.wait(timeout=STOP_TIMEOUT_S / 2)
+                child.wait(timeout=grace[name])
             except subprocess.TimeoutExpired:
                 say(f"{name} did not stop in time: killing it")
                 child.kill()
