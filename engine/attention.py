@@ -40,6 +40,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from common.default_model import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 # Decode buckets (torch path): requests sorted by context length and padded per bucket.
@@ -798,7 +800,7 @@ def compiled_library() -> Path:
     # -march=native code must never be loaded on another CPU: the CPU is part of the key.
     key = hashlib.sha256("\n".join(
         [CPP_SOURCE, compiler, *CPP_FLAGS, cpu_signature(), torch.__version__]).encode())
-    cache_dir = Path(os.environ.get("LOOM_KERNEL_CACHE") or Path.home() / ".cache/loom/kernels")
+    cache_dir = Path(os.environ.get("LOOM_KERNEL_CACHE") or default_cache_dir() / "kernels")
     library = cache_dir / f"paged_decode_{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
