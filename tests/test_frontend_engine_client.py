@@ -17,7 +17,7 @@ from common.protocol import (
 from common.sampling import SamplingParams
 from common.sockets import Endpoints
 from frontend.engine_client import EngineClient, EngineDeadError, EngineRequestError
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import FakeEngine, fake_logprobs
 
 EOS = 0
 
@@ -72,6 +72,21 @@ async def test_queued_outputs_are_merged(engine: FakeEngine, client: EngineClien
     assert len(merged) == 1
     assert merged[0].new_token_ids == [7, 8, 9, 7, 8, 9]
     assert merged[0].finish_reason == "length"
+
+
+async def test_merged_outputs_keep_their_logprobs(
+    engine: FakeEngine, client: EngineClient
+) -> None:
+    engine.reply = lambda add: [7, 8]
+    async with client.add(request("r1", max_tokens=1000, logprobs=1)) as outputs:
+        await engine.wait_for(lambda: engine.step >= 3)
+        await asyncio.sleep(0.05)
+        client.abort(["r1"])  # its marker output carries no tokens and no logprobs
+        merged = [output async for output in outputs]
+    assert len(merged) == 1 and merged[0].finish_reason == "abort"
+    assert merged[0].logprobs is not None
+    assert len(merged[0].logprobs) == len(merged[0].new_token_ids) >= 3
+    assert merged[0].logprobs[:2] == [fake_logprobs(7, 1), fake_logprobs(8, 1)]
 
 
 async def test_leaving_early_aborts(engine: FakeEngine, client: EngineClient) -> None:
