@@ -119,9 +119,11 @@ async def _collect_all(generations: list[Generation]) -> list[Delta]:
     tasks = [asyncio.create_task(generation.collect()) for generation in generations]
     try:
         return await asyncio.gather(*tasks)
-    finally:
+    except BaseException:
         for task in tasks:  # the others, when one failed
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _stream(
