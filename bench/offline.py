@@ -7,6 +7,8 @@ Each mode runs the same requests (random prompt tokens around --input-len, --out
 tokens forced with ignore_eos) on a fresh engine and reports output tok/s, total tok/s,
 step time p50/p99 and preemptions. `seqs1` is continuous batching with --max-num-seqs 1;
 it runs --single-prompts requests (it is slow, and its rate does not depend on the count).
+`sampling` is continuous batching with every sampling parameter active (temperature, top-p,
+top-k, min-p, three penalties, logit bias, seeds, min_tokens, logprobs).
 """
 
 from __future__ import annotations
@@ -30,7 +32,17 @@ MODES = {
     "continuous": {"batching": "continuous"},
     "static": {"batching": "static"},
     "seqs1": {"batching": "continuous", "max_num_seqs": 1},
+    "sampling": {"batching": "continuous"},  # continuous, every sampling parameter active
 }
+
+
+def sampling_for(mode: str, index: int, output_len: int) -> SamplingParams:
+    if mode != "sampling":
+        return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return SamplingParams(
+        max_tokens=output_len, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=50,
+        min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+        logit_bias={100: 2.0, 200: -2.0}, seed=index, min_tokens=4, logprobs=5)
 
 
 @dataclass(slots=True)
@@ -56,15 +68,15 @@ class ModeResult:
         return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] * 1000
 
 
-def make_requests(count: int, input_len: int, output_len: int, vocab: int,
+def make_requests(mode: str, count: int, input_len: int, output_len: int, vocab: int,
                   seed: int) -> list[AddRequest]:
     rng = random.Random(seed)
     requests = []
     for index in range(count):
         length = rng.randint(int(input_len * 0.8), int(input_len * 1.2))
         prompt = [rng.randrange(100, vocab) for _ in range(length)]
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        requests.append(AddRequest(f"bench-{index}", prompt, params, time.time()))
+        requests.append(AddRequest(f"bench-{index}", prompt,
+                                   sampling_for(mode, index, output_len), time.time()))
     return requests
 
 
@@ -107,7 +119,7 @@ def print_table(results: list[ModeResult]) -> None:
               f"{r.step_percentile(0.99):.1f} | {r.preemptions} | {r.duration_s:.1f} |")
     by_mode = {r.mode: r for r in results}
     if "continuous" in by_mode:
-        for other in ("static", "seqs1"):
+        for other in ("static", "seqs1", "sampling"):
             if other in by_mode:
                 ratio = by_mode["continuous"].output_throughput / by_mode[other].output_throughput
                 print(f"continuous / {other} output tok/s: {ratio:.2f}x")
@@ -135,7 +147,7 @@ def main() -> None:
     results = []
     for mode in args.modes.split(","):
         count = args.single_prompts if mode == "seqs1" else args.num_prompts
-        requests = make_requests(count, args.input_len, args.output_len, vocab_size,
+        requests = make_requests(mode, count, args.input_len, args.output_len, vocab_size,
                                  args.seed)
         result = run_mode(mode, base, requests)
         print(f"{mode}: {result.output_throughput:.1f} output tok/s "

@@ -46,36 +46,35 @@ def early_stop_positions(requests: list[Request],
     return rows, columns
 
 
-def token_counts(token_lists: list[list[int]], vocab_size: int,
-                 device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] float counts of each token id per row."""
-    counts = torch.zeros(len(token_lists), vocab_size, device=device)
-    rows = [row for row, tokens in enumerate(token_lists) for _ in tokens]
-    if rows:
-        columns = [token for tokens in token_lists for token in tokens]
-        index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
-        counts.index_put_(index, torch.ones(len(rows), device=device), accumulate=True)
-    return counts
-
-
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """In place, as vLLM and the OpenAI API define them:
     repetition (prompt and output tokens): positive logits divided by p, negative multiplied;
-    frequency and presence (output tokens only): logit -= f * count + p * (count > 0)."""
-    vocab_size, device = logits.shape[-1], logits.device
-    output_counts = token_counts([r.output_token_ids for r in requests], vocab_size, device)
-    repetition = torch.tensor([r.sampling.repetition_penalty for r in requests],
-                              device=device)[:, None]
-    if bool((repetition != 1.0).any()):
-        seen = output_counts + token_counts([r.prompt_token_ids for r in requests],
-                                            vocab_size, device)
-        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen > 0, penalized, logits)
-    frequency = torch.tensor([r.sampling.frequency_penalty for r in requests],
-                             device=device)[:, None]
-    presence = torch.tensor([r.sampling.presence_penalty for r in requests],
-                            device=device)[:, None]
-    logits -= frequency * output_counts + presence * (output_counts > 0)
+    frequency and presence (output tokens only): logit -= f * count + p * (count > 0).
+    Only the logits of tokens a request has seen are touched: O(seen), not O(vocab)."""
+    device = logits.device
+    rows: list[int] = []
+    columns: list[int] = []
+    repetition: list[float] = []
+    subtract: list[float] = []
+    for row, request in enumerate(requests):
+        sampling = request.sampling
+        counts = request.output_token_counts
+        seen = request.prompt_token_set | counts.keys() \
+            if sampling.repetition_penalty != 1.0 else counts.keys()
+        for token in seen:
+            count = counts.get(token, 0)
+            rows.append(row)
+            columns.append(token)
+            repetition.append(sampling.repetition_penalty)
+            subtract.append(sampling.frequency_penalty * count
+                            + (sampling.presence_penalty if count else 0.0))
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
+    values = logits[index]
+    penalty = torch.tensor(repetition, dtype=logits.dtype, device=device)
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    logits[index] = values - torch.tensor(subtract, dtype=logits.dtype, device=device)
     return logits
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -31,6 +32,8 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    output_token_counts: Counter[int] = field(default_factory=Counter)  # for penalties
+    _prompt_token_set: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -69,8 +72,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def prompt_token_set(self) -> frozenset[int]:
+        if self._prompt_token_set is None:
+            self._prompt_token_set = frozenset(self.prompt_token_ids)
+        return self._prompt_token_set
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.output_token_counts[token_id] += 1
 
     def finish(self, reason: str) -> None:
         self.status = RequestStatus.FINISHED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,18 +44,61 @@ class Sampler:
         """logits: raw float32 [len(requests), vocab]; one token id per request."""
         processed = process_logits(logits, requests, eos_token_ids)
         greedy = [request.sampling.greedy for request in requests]
-        if all(greedy):
-            sampled = processed.argmax(dim=-1)
-        else:
-            probs = self._filtered_probs(processed, requests)
-            noise = torch.empty_like(probs)
-            for row, request in enumerate(requests):
-                noise[row].exponential_(generator=self._generator_for(request))
-            sampled = (probs / noise).argmax(dim=-1)
-            if any(greedy):
-                greedy_rows = torch.tensor(greedy, device=logits.device)
-                sampled = torch.where(greedy_rows, processed.argmax(dim=-1), sampled)
+        sampled = processed.argmax(dim=-1)
+        if not all(greedy):
+            randomly = self._sample_random(processed, requests, greedy)
+            sampled = torch.where(torch.tensor(greedy, device=logits.device), sampled, randomly)
         return SampleResult(sampled.tolist(), self._logprobs(logits, sampled, requests))
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request],
+                       greedy: list[bool]) -> torch.Tensor:
+        """Samples every row (greedy rows are overridden by the caller) through the
+        exponential race argmax(p / Exp(1)), with each seeded request's own generator.
+
+        Candidates: the top max(k) tokens when every sampling row has top_k (cheap), the whole
+        vocabulary sorted when top_p needs it, else the whole vocabulary as it is."""
+        sampling_rows = [r.sampling for r, is_greedy in zip(requests, greedy, strict=True)
+                         if not is_greedy]
+        candidate_ids = None  # dividing by a temperature keeps the order: select first
+        if all(params.top_k > 0 for params in sampling_rows):
+            width = min(max(params.top_k for params in sampling_rows), logits.shape[-1])
+            logits, candidate_ids = logits.topk(width, dim=-1)
+        elif any(params.top_p < 1.0 or params.top_k > 0 for params in sampling_rows):
+            logits, candidate_ids = logits.sort(dim=-1, descending=True)
+        temperatures = torch.tensor([r.sampling.temperature or 1.0 for r in requests],
+                                    dtype=logits.dtype, device=logits.device)
+        logits = logits / temperatures[:, None]
+        probs = self._filter(logits, requests, is_sorted=candidate_ids is not None).softmax(-1)
+        noise = torch.empty_like(probs)
+        for row, request in enumerate(requests):
+            noise[row].exponential_(generator=self._generator_for(request))
+        choice = (probs / noise).argmax(dim=-1)
+        return choice if candidate_ids is None else candidate_ids.gather(1, choice[:, None])[:, 0]
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, requests: list[Request], is_sorted: bool) -> torch.Tensor:
+        """min_p, then top-k and top-p (which need descending order) as -inf masks."""
+        device = logits.device
+        min_ps = [request.sampling.min_p for request in requests]
+        if any(min_ps):
+            # p / p_max = exp(logit - max logit): no softmax needed for the threshold.
+            floor = torch.tensor([math.log(p) if p > 0 else -math.inf for p in min_ps],
+                                 dtype=logits.dtype, device=device)
+            threshold = logits.max(dim=-1, keepdim=True).values + floor[:, None]
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        if not is_sorted:
+            return logits
+        width = logits.shape[-1]
+        top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else width
+                              for r in requests], device=device)
+        drop = torch.arange(width, device=device)[None, :] >= top_k[:, None]
+        top_p = torch.tensor([r.sampling.top_p for r in requests], dtype=logits.dtype,
+                             device=device)
+        if bool((top_p < 1.0).any()):
+            probs = logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the token crossing it kept).
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        return logits.masked_fill(drop, float("-inf"))
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, sampled: torch.Tensor,
@@ -65,11 +109,13 @@ class Sampler:
         if all(n is None for n in wanted):
             return [None] * len(requests)
         rows = [row for row, n in enumerate(wanted) if n is not None]
-        row_index = torch.tensor(rows, device=logits.device)
-        logprobs = logits.index_select(0, row_index).log_softmax(dim=-1)
-        chosen = logprobs.gather(1, sampled.index_select(0, row_index)[:, None])[:, 0].tolist()
-        top_values, top_ids = logprobs.topk(max(wanted[row] for row in rows), dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        if len(rows) < len(requests):
+            row_index = torch.tensor(rows, device=logits.device)
+            logits, sampled = logits.index_select(0, row_index), sampled.index_select(0, row_index)
+        normalizer = logits.logsumexp(dim=-1, keepdim=True)  # logprob = logit - normalizer
+        chosen = (logits.gather(1, sampled[:, None]) - normalizer)[:, 0].tolist()
+        top_values, top_ids = logits.topk(max(wanted[row] for row in rows), dim=-1)
+        top_values, top_ids = (top_values - normalizer).tolist(), top_ids.tolist()
         results: list[TokenLogprobs | None] = [None] * len(requests)
         for position, row in enumerate(rows):
             n = wanted[row]
@@ -77,35 +123,3 @@ class Sampler:
                    zip(top_ids[position][:n], top_values[position][:n], strict=True)]
             results[row] = [chosen[position], top]
         return results
-
-    def _filtered_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temperatures = torch.tensor(
-            [request.sampling.temperature or 1.0 for request in requests],
-            dtype=logits.dtype, device=logits.device)
-        logits = logits / temperatures[:, None]
-        if any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 for r in requests):
-            logits = self._apply_top_k_top_p(logits, requests)
-        probs = logits.softmax(dim=-1)
-        min_ps = [request.sampling.min_p for request in requests]
-        if any(min_ps):
-            min_p = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
-
-    @staticmethod
-    def _apply_top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else vocab
-                              for r in requests], device=logits.device)
-        top_p = torch.tensor([r.sampling.top_p for r in requests],
-                             dtype=logits.dtype, device=logits.device)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        drop = ranks >= top_k[:, None]
-        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
