@@ -1,0 +1,90 @@
+"""A Loom server started the way a user starts it (`python launch.py ...`), on a free port."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0
+READY_MARK = "serving "  # launch.py prints it once /health answered 200
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class LoomServer:
+    launch_args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    log_dir: Path | None = None  # None: a fresh temporary directory
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> LoomServer:
+        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="loom-bench-"))
+        self.log_path = log_dir / f"launch-{self.port}.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "launch.py", "--host", "127.0.0.1", "--port", str(self.port),
+                 *self.launch_args],
+                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"launch.py exited with {self.process.returncode}:\n"
+                                   f"{self._log_tail()}")
+            if READY_MARK in self.log:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"launch.py not ready in {timeout_s:.0f} s:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.splitlines()[-lines:])
+
+    def stop(self) -> int | None:
+        """SIGTERM (launch drains and stops both children), SIGKILL if that takes too long."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()  # its children die with it (PR_SET_PDEATHSIG)
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> LoomServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.stop()
