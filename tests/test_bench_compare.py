@@ -1,0 +1,55 @@
+"""bench.compare on the tiny model: two Loom modes started through launch.py, plus a --url."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.launched import REPO_ROOT, free_port
+from tests.test_bench_serve import SMOLLM2_DIR, build_tiny_served_model
+
+pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(),
+                                reason="the default model (its tokenizer) is not cached")
+
+
+@pytest.fixture
+def canned_url() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.canned_server", "--port", str(port)],
+                               cwd=REPO_ROOT)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_one_row_per_target(tmp_path: Path, canned_url: str) -> None:
+    model_dir = build_tiny_served_model(tmp_path)
+    table, report = tmp_path / "table.md", tmp_path / "runs.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--model", model_dir,
+         "--modes", "continuous,static", "--concurrency", "2", "--url", f"canned={canned_url}",
+         "--num-prompts", "4", "--output-len", "8",
+         "--launch-args", "--dtype float32 --num-kv-blocks 256",
+         "--output", str(table), "--save-json", str(report), "--plot", str(tmp_path / "img"),
+         "--log-dir", str(tmp_path / "logs"), "--no-progress"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    rows = [line for line in table.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| target")]
+    assert [row.split(" | ")[:3] for row in rows] == [
+        ["| loom continuous", "2", "4 / 0"],
+        ["| loom static", "2", "4 / 0"],
+        ["| canned", "2", "4 / 0"],
+    ]
+    assert table.read_text() in completed.stdout
+    runs = json.loads(report.read_text())
+    assert [(run["target"], run["completed"]) for run in runs] == [
+        ("loom continuous", 4), ("loom static", 4), ("canned", 4)]
+    assert (tmp_path / "img" / "scaling.png").is_file()
