@@ -6,12 +6,16 @@ With `metrics`, it also serves a Loom-style `/metrics` whose `loom:step_time_sec
 histogram gains one 4 ms observation per token sent. It measures the load generator,
 not a model:
 
-    python -m tests.canned_server --port 8100
+    python -m tests.canned_server --port 8100 [--interval-ms 1] &
+    python -m bench.serve --base-url http://127.0.0.1:8100 --endpoint /v1/chat/completions \
+        --tokenizer ~/.cache/loom/SmolLM2-135M-Instruct --dataset random --input-len 32 \
+        --num-prompts 256 --output-len 256 --max-concurrency 64
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +34,7 @@ class CannedSettings:
     fail_every: int = 0  # > 0: every n-th completion request is answered 500
     max_tokens_cap: int = 4096
     metrics: bool = False
+    interval_s: float = 0.0  # > 0: a pause between token chunks, so streams interleave
 
 
 @dataclass(slots=True)
@@ -95,6 +100,8 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     token_event = _event(_chunk(chat, TOKEN_TEXT, None))
     for _ in range(num_tokens - 1):
         await response.write(token_event)
+        if settings.interval_s:
+            await asyncio.sleep(settings.interval_s)
     await response.write(_event(_chunk(chat, TOKEN_TEXT, "length")))
     counters.tokens_sent += num_tokens
     if (body.get("stream_options") or {}).get("include_usage"):
@@ -141,8 +148,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--metrics", action="store_true")
+    parser.add_argument("--interval-ms", type=float, default=0.0,
+                        help="pause between token chunks (default: none)")
     args = parser.parse_args()
-    settings = CannedSettings(fail_every=args.fail_every, metrics=args.metrics)
+    settings = CannedSettings(fail_every=args.fail_every, metrics=args.metrics,
+                              interval_s=args.interval_ms / 1000)
     web.run_app(create_app(settings), host="127.0.0.1", port=args.port, print=None)
 
 
