@@ -184,6 +184,8 @@ class StepStats:
     step_time_s: float = 0.0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    kv_integrity_violations_total: int = 0  # from the check run whenever the engine idles
+    bad_frames_total: int = 0  # frames the engine could not decode and dropped
 
     def to_wire(self) -> list[Any]:
         return [getattr(self, name) for name in self.__slots__]

@@ -152,6 +152,10 @@ class EngineCore:
             logger.debug("step %d ran %s waited %s preempted %s finished %s", trace.step,
                          trace.scheduled, trace.waited, trace.preempted, trace.finished)
 
+    def idle_outputs(self) -> StepOutputs:
+        """A frame with no tokens whose stats show the engine at rest (after aborts, say)."""
+        return StepOutputs(step=self.scheduler.step_count, outputs=[], stats=self._stats(0, 0, 0.0))
+
     def _stats(self, num_prompt_tokens: int, num_generated: int, step_time: float) -> StepStats:
         return StepStats(
             num_running=len(self.scheduler.running),
@@ -163,6 +167,7 @@ class EngineCore:
             step_time_s=step_time,
             prefix_cache_queries_total=self.block_manager.stats.queries,
             prefix_cache_hits_total=self.block_manager.stats.hits,
+            kv_integrity_violations_total=self.block_manager.num_integrity_violations,
         )
 
     def check_integrity(self) -> list[str]:

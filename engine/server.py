@@ -40,19 +40,31 @@ class EngineServer:
 
     def serve_forever(self) -> None:
         try:
+            was_busy = False
             while self.running:
                 if not self.core.has_work:
-                    self.core.check_integrity()
+                    if was_busy:
+                        self._report_idle()
+                    was_busy = False
                     if not self.requests.poll(IDLE_POLL_MS):
                         self._stop_if_orphaned()
                         continue
                 self._drain_requests()
                 if self.running and self.core.has_work:
+                    was_busy = True
                     step_outputs = self.core.step()
+                    step_outputs.stats.bad_frames_total = self.num_bad_frames
                     self.outputs.send(encode(step_outputs), copy=False)
                     self.stats_logger.observe(step_outputs.stats)
         finally:
             self.close()
+
+    def _report_idle(self) -> None:
+        """Going idle: check that no KV block leaked, and tell the frontend we are at rest."""
+        self.core.check_integrity()
+        idle = self.core.idle_outputs()
+        idle.stats.bad_frames_total = self.num_bad_frames
+        self.outputs.send(encode(idle))
 
     def _stop_if_orphaned(self) -> None:
         if os.getppid() != self.parent_pid:

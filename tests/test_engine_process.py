@@ -109,3 +109,13 @@ def test_an_impossible_request_gets_an_error_frame(engine_process):
     requests.send(add("fine", [3, 4], max_tokens=2))
     tokens, reason = collect(outputs, "fine")
     assert len(tokens) == 2 and reason == "length"
+
+
+def test_going_idle_sends_stats_at_rest(engine_process):
+    _, requests, outputs, _ = engine_process
+    requests.send(add("short", [3, 4, 5], max_tokens=3))
+    collect(outputs, "short")
+    idle = decode(outputs.recv())
+    assert isinstance(idle, StepOutputs) and idle.outputs == []
+    assert idle.stats.num_running == 0 and idle.stats.num_waiting == 0
+    assert idle.stats.kv_integrity_violations_total == 0

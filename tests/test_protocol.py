@@ -36,7 +36,7 @@ MESSAGES = [
     Ready("SmolLM2", 8192, 1000, 16, [2], 49152),
     StepOutputs(7, [RequestOutput("a", [4], None, 0, None),
                     RequestOutput("b", [5], "stop", 16, [[-0.1, [[5, -0.1], [6, -2.0]]]])],
-                StepStats(2, 1, 0.25, 3, 100, 2, 0.05, 10, 4)),
+                StepStats(2, 1, 0.25, 3, 100, 2, 0.05, 10, 4, 1, 2)),
     StepOutputs(8, [], StepStats()),
     RequestError("req-3", "prompt too long"),
 ]
@@ -73,7 +73,8 @@ MALFORMED = {
     "abort id not str": frame(PROTOCOL_VERSION, Kind.ABORT, [1]),
     "outputs entry short": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [["a"]], StepStats().to_wire()),
     "stats wrong size": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [], [1, 2]),
-    "stats wrong type": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [], ["x"] * 9),
+    "stats wrong type": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [],
+                              ["x"] * len(StepStats.__slots__)),
 }
 
 
