@@ -176,7 +176,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
                         help="an extra OpenAI-compatible server to run the workload against")
     parser.add_argument("--launch-args", default="",
-                        help="extra launch.py flags for every Loom server, one string")
+                        help='extra launch.py flags for every Loom server, one string '
+                             '(write --launch-args="--dtype float32")')
     parser.add_argument("--reuse-server", action="store_true",
                         help="one Loom server per mode for all concurrency levels")
     parser.add_argument("--output", type=Path, default=None, help="write the markdown here")
