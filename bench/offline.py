@@ -105,6 +105,12 @@ def run_mode(mode: str, base: EngineConfig, requests: list[AddRequest]) -> ModeR
     return result
 
 
+def median_run(results: list[ModeResult]) -> ModeResult:
+    """The run with the median output throughput."""
+    ordered = sorted(results, key=lambda r: r.output_throughput)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def _as_dict(config: EngineConfig) -> dict:
     return {name: getattr(config, name) for name in config.__slots__}
 
@@ -138,25 +144,28 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None)
     parser.add_argument("--modes", default="continuous,static,seqs1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     base = EngineConfig(model=resolve_model(args.model), dtype=args.dtype, device=args.device,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_prompts)
     with open(os.path.join(base.model, "config.json")) as config_file:
         vocab_size = json.load(config_file)["vocab_size"]
-    results = []
-    for mode in args.modes.split(","):
-        count = args.single_prompts if mode == "seqs1" else args.num_prompts
-        requests = make_requests(mode, count, args.input_len, args.output_len, vocab_size,
-                                 args.seed)
-        result = run_mode(mode, base, requests)
-        print(f"{mode}: {result.output_throughput:.1f} output tok/s "
-              f"(median step {statistics.median(result.step_times_s) * 1000:.1f} ms)",
-              flush=True)
-        results.append(result)
+    runs: dict[str, list[ModeResult]] = {mode: [] for mode in args.modes.split(",")}
+    for repeat in range(args.repeats):  # round-robin, so drift on a shared machine hits all
+        for mode, results in runs.items():
+            count = args.single_prompts if mode == "seqs1" else args.num_prompts
+            requests = make_requests(mode, count, args.input_len, args.output_len, vocab_size,
+                                     args.seed)
+            result = run_mode(mode, base, requests)
+            print(f"[{repeat + 1}/{args.repeats}] {mode}: {result.output_throughput:.1f} "
+                  f"output tok/s (median step "
+                  f"{statistics.median(result.step_times_s) * 1000:.1f} ms)", flush=True)
+            results.append(result)
     print(f"\nmodel {base.model}, dtype {args.dtype}, {args.num_prompts} prompts of "
-          f"~{args.input_len} tokens, {args.output_len} output tokens forced\n")
-    print_table(results)
+          f"~{args.input_len} tokens, {args.output_len} output tokens forced, "
+          f"median of {args.repeats} round-robin runs\n")
+    print_table([median_run(results) for results in runs.values()])
 
 
 if __name__ == "__main__":
