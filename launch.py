@@ -26,6 +26,7 @@ from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
 
 STOP_TIMEOUT_S = 4.0
+API_KEY_ENV = "LOOM_API_KEY"
 ENGINE_READY_TIMEOUT_S = 600.0
 FRONTEND_READY_TIMEOUT_S = 120.0
 
@@ -49,6 +50,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--shutdown-timeout", type=float, default=3.0,
                         help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes "
+                             f"(default: ${API_KEY_ENV}; /health and /metrics stay open)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests waiting for the engine (each of n choices counts) "
+                             "beyond which new ones get 503 with Retry-After")
+    parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                        help="largest request body accepted; larger ones get 413")
     add_engine_args(parser)
     return parser.parse_args(argv)
 
@@ -121,8 +130,16 @@ class Launcher:
                    "--model-dir", model_dir, "--served-model-name", ready.model_name,
                    "--engine-info", json.dumps(asdict(ready)),
                    "--log-level", self.args.log_level,
-                   "--shutdown-timeout", str(self.args.shutdown_timeout)]
-        self.children["frontend"] = subprocess.Popen(command, preexec_fn=_die_with_parent)
+                   "--shutdown-timeout", str(self.args.shutdown_timeout),
+                   "--max-waiting-requests", str(self.args.max_waiting_requests),
+                   "--max-body-bytes", str(self.args.max_body_bytes),
+                   "--engine-pid", str(self.children["engine"].pid)]
+        # The key travels in the environment: a command line is visible to every local user.
+        env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+        if self.args.api_key:
+            env[API_KEY_ENV] = self.args.api_key
+        self.children["frontend"] = subprocess.Popen(command, env=env,
+                                                     preexec_fn=_die_with_parent)
         url = f"http://{self.args.host}:{self.args.port}/health"
         deadline = time.monotonic() + FRONTEND_READY_TIMEOUT_S
         while time.monotonic() < deadline:

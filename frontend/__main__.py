@@ -6,18 +6,26 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import disable_created_metrics
 
 from common.protocol import FrameError, Ready
+from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS
 from frontend.app import create_app
-from frontend.state import FrontendSettings
+from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
+from frontend.state import STATE, FrontendSettings
 
 logger = logging.getLogger("loom.frontend")
+
+API_KEY_ENV = "LOOM_API_KEY"
+# After the drain: how long aborted requests get to write their last event.
+ABORT_GRACE_S = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +62,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="seconds open requests get to finish on SIGTERM/SIGINT",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=_positive_int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests (choices) waiting for the engine beyond which new ones get 503",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted; larger ones get 413",
+    )
+    parser.add_argument(
+        "--engine-pid",
+        type=int,
+        default=None,
+        help="the engine's process id, watched so that its exit is noticed at once",
+    )
     return parser.parse_args(argv)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_engine_info(text: str | None) -> Ready | None:
@@ -98,12 +136,19 @@ async def serve(args: argparse.Namespace) -> None:
     if not served_name:
         raise SystemExit("--served-model-name is required without --engine-info")
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model_dir)
-    settings = FrontendSettings(served_name, args.requests_addr, args.outputs_addr, engine_info)
+    settings = FrontendSettings(
+        served_name,
+        args.requests_addr,
+        args.outputs_addr,
+        engine_info,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes,
+        engine_pid=args.engine_pid,
+    )
+    app = create_app(settings, tokenizer)
     runner = web.AppRunner(
-        create_app(settings, tokenizer),
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=args.shutdown_timeout,
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_GRACE_S
     )
     await runner.setup()
     try:
@@ -113,10 +158,24 @@ async def serve(args: argparse.Namespace) -> None:
         await site.start()
         logger.info("serving %s on http://%s:%d", served_name, args.host, args.port)
         await stop.wait()
-        logger.info("stopping")
+        await drain(app, args.shutdown_timeout)
     finally:
         await runner.cleanup()
         logger.info("stopped")
+
+
+async def drain(app: web.Application, timeout_s: float) -> None:
+    """New API requests get 503; open ones get timeout_s to finish, then are aborted."""
+    state = app[STATE]
+    state.drain.start()
+    logger.info("stopping: %d open requests get up to %.1f s", state.drain.in_flight, timeout_s)
+    if await state.drain.wait_idle(timeout_s):
+        return
+    logger.warning("aborting %d requests still open after %.1f s", state.drain.in_flight,
+                   timeout_s)  # fmt: skip
+    if state.engine is not None:
+        state.engine.fail_all("The server is shutting down.")
+    await state.drain.wait_idle(ABORT_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    disable_created_metrics()
     asyncio.run(serve(args))
     return 0
 

@@ -8,8 +8,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from frontend.auth import api_key_middleware
+from frontend.body_limit import body_limit_middleware
 from frontend.engine_client import EngineClient
+from frontend.engine_sentinel import watch_engine
 from frontend.errors import INVALID_REQUEST, APIError, internal_error
 from frontend.openai_api import create_chat_completion, create_completion
 from frontend.state import STATE, FrontendSettings, ServerState
@@ -17,33 +21,47 @@ from frontend.tokenization import TokenizerService
 
 logger = logging.getLogger("loom.frontend")
 
-MAX_REQUEST_BYTES = 64 * 1024 * 1024
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ENGINE_SENTINEL = web.AppKey("loom_engine_sentinel", asyncio.Task)
 
 
 def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
-    app[STATE] = ServerState(settings=settings, tokenizer=TokenizerService(tokenizer))
+    state = ServerState(settings=settings, tokenizer=TokenizerService(tokenizer))
+    middlewares = [error_middleware]
+    if settings.api_key:
+        middlewares.append(api_key_middleware(settings.api_key))
+    middlewares += [state.drain.middleware(), body_limit_middleware(settings.max_body_bytes)]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    app[STATE] = state
     app.on_startup.append(_connect_engine)
     app.on_cleanup.append(_disconnect_engine)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
 async def _connect_engine(app: web.Application) -> None:
     state = app[STATE]
     settings = state.settings
-    state.engine = EngineClient(settings.requests_addr, settings.outputs_addr)
+    state.engine = EngineClient(settings.requests_addr, settings.outputs_addr, state.metrics)
     state.engine.start()
+    if settings.engine_pid is not None:
+        app[ENGINE_SENTINEL] = asyncio.create_task(
+            watch_engine(settings.engine_pid, state.engine.engine_exited_with),
+            name="engine-sentinel",
+        )
     logger.info("connected to the engine at %s / %s", settings.requests_addr, settings.outputs_addr)
 
 
 async def _disconnect_engine(app: web.Application) -> None:
     state = app[STATE]
+    sentinel = app.get(ENGINE_SENTINEL)
+    if sentinel is not None:
+        sentinel.cancel()
+        await asyncio.gather(sentinel, return_exceptions=True)
     if state.engine is not None:
         await state.engine.close()
         state.engine = None
@@ -70,6 +88,11 @@ async def health(request: web.Request) -> web.Response:
     if reason is not None:
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
     return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 @web.middleware

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -28,6 +29,7 @@ from common.protocol import (
     StepStats,
 )
 from common.sockets import make_socket
+from frontend.metrics import LoomMetrics
 
 logger = logging.getLogger("loom.frontend.engine")
 
@@ -39,8 +41,16 @@ DISCONNECT_GRACE_S = 0.2
 SHUTDOWN_LINGER_MS = 200
 
 
-class EngineDeadError(RuntimeError):
+class EngineUnavailableError(RuntimeError):
+    """The request cannot be served: no engine, or the server is going away."""
+
+
+class EngineDeadError(EngineUnavailableError):
     """The engine went away while requests were in flight, or before they were sent."""
+
+
+class ShuttingDownError(EngineUnavailableError):
+    """The server stopped waiting for the request while shutting down."""
 
 
 class EngineBusyError(RuntimeError):
@@ -51,12 +61,22 @@ class EngineRequestError(RuntimeError):
     """The engine rejected or failed one request."""
 
 
-_EngineGone = object()  # queue item: the engine disconnected
-QueueItem = RequestOutput | RequestError | object
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """Queue item: the request ends with an error without the engine finishing it."""
+
+    error: EngineUnavailableError
+    engine_gone: bool  # False: the engine still runs the request and must be told to ABORT
+
+
+QueueItem = RequestOutput | RequestError | _Failure
 
 
 class EngineClient:
-    def __init__(self, requests_addr: str, outputs_addr: str) -> None:
+    def __init__(
+        self, requests_addr: str, outputs_addr: str, metrics: LoomMetrics | None = None
+    ) -> None:
+        self.metrics = metrics if metrics is not None else LoomMetrics()
         self._context = zmq.asyncio.Context()
         # Sends are never awaited: an ABORT must go out from a `finally` of a cancelled
         # task or a closing generator, so the request socket is a plain socket used with
@@ -71,6 +91,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self.num_bad_frames = 0
         self.engine_dead = False
+        self.engine_exited = False  # the process is gone: no reconnect will revive it
         self.last_stats = StepStats()
         self.last_step = -1
 
@@ -96,6 +117,11 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    @property
+    def num_waiting_estimate(self) -> int:
+        """Requests sent to the engine and not yet running there, as of the latest stats."""
+        return max(self.num_in_flight - self.last_stats.num_running, 0)
 
     def add(self, request: AddRequest) -> RequestStream:
         """Send a request now; its outputs arrive through the returned stream.
@@ -140,26 +166,46 @@ class EngineClient:
         except zmq.Again as exc:
             raise EngineBusyError("the engine's request queue is full") from exc
 
+    def fail_all(self, reason: str) -> None:
+        """End every open request with ShuttingDownError; the engine gets their ABORTs."""
+        for queue in self._queues.values():
+            queue.put_nowait(_Failure(ShuttingDownError(reason), engine_gone=False))
+
+    async def engine_exited_with(self, reason: str) -> None:
+        """The engine process is gone (its sentinel fired): fail whatever is in flight."""
+        if self.engine_exited:
+            return
+        logger.error("engine process exited: %s", reason)
+        self.engine_exited = self.engine_dead = True
+        await self._fail_in_flight_after_grace(reason)
+
     async def _read_outputs(self) -> None:
         while True:
-            frame = await self._outputs.recv()
-            try:
-                message = protocol.decode(frame)
-            except protocol.FrameError as exc:
-                self.num_bad_frames += 1
-                logger.warning(
-                    "dropped a bad frame from the engine (%d bytes): %s", len(frame), exc
-                )
-                continue
-            try:
-                self._route(message)
-            except Exception:
-                logger.exception("failed to route a %s frame", type(message).__name__)
+            self.handle_frame(await self._outputs.recv())
+
+    def handle_frame(self, frame: bytes) -> None:
+        """Decode one engine frame and route it; a frame that fails is counted and dropped."""
+        try:
+            message = protocol.decode(frame)
+        except protocol.FrameError as exc:
+            self._count_bad_frame()
+            logger.warning("dropped a bad frame from the engine (%d bytes): %s", len(frame), exc)
+            return
+        try:
+            self._route(message)
+        except Exception:
+            self._count_bad_frame()
+            logger.exception("failed to route a %s frame", type(message).__name__)
+
+    def _count_bad_frame(self) -> None:
+        self.num_bad_frames += 1
+        self.metrics.frontend_bad_frames.inc()
 
     def _route(self, message: protocol.Message) -> None:
         if isinstance(message, StepOutputs):
             self.last_step = message.step
             self.last_stats = message.stats
+            self.metrics.observe_step(message.stats)
             for output in message.outputs:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:  # else: finished or aborted here, engine not yet told
@@ -173,29 +219,30 @@ class EngineClient:
                     "engine error for unknown request %s: %s", message.request_id, message.reason
                 )
         else:
-            self.num_bad_frames += 1
+            self._count_bad_frame()
             logger.warning("dropped an unexpected %s frame from the engine", type(message).__name__)
 
     async def _watch_connection(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
-                if self.engine_dead:
+                if self.engine_dead and not self.engine_exited:
                     logger.info("engine reconnected")
-                self.engine_dead = False
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.engine_dead = False
+            elif event["event"] == zmq.EVENT_DISCONNECTED and not self.engine_exited:
                 logger.error("lost the connection to the engine")
                 self.engine_dead = True
-                await self._fail_in_flight_after_grace()
+                await self._fail_in_flight_after_grace("the connection to the engine was lost")
 
-    async def _fail_in_flight_after_grace(self) -> None:
+    async def _fail_in_flight_after_grace(self, reason: str) -> None:
         await asyncio.sleep(DISCONNECT_GRACE_S)
         while self._outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             await asyncio.sleep(0.01)
         if not self.engine_dead:
             return
+        failure = _Failure(EngineDeadError(f"The engine stopped: {reason}."), engine_gone=True)
         for queue in self._queues.values():
-            queue.put_nowait(_EngineGone)
+            queue.put_nowait(failure)
 
 
 class RequestStream:
@@ -211,18 +258,20 @@ class RequestStream:
         self._queue: asyncio.Queue[QueueItem] = queue
         self._stash: deque[QueueItem] = deque()  # an item that ended a merge, handled next
         self.finished = False
+        self._failed = False  # a failure ends the iteration even where finished is False
         self._closed = False
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
+        if self.finished or self._failed:
             raise StopAsyncIteration
         item = self._stash.popleft() if self._stash else await self._queue.get()
-        if item is _EngineGone:
-            self.finished = True
-            raise EngineDeadError("the engine stopped while the request was running")
+        if isinstance(item, _Failure):
+            self.finished = item.engine_gone
+            self._failed = True
+            raise item.error
         if isinstance(item, RequestError):
             self.finished = True
             raise EngineRequestError(item.reason)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -20,6 +20,7 @@ class APIError(Exception):
     type: str = INVALID_REQUEST
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.message)
@@ -35,7 +36,7 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def invalid_param(param: str, message: str, code: str | None = None) -> APIError:
@@ -54,6 +55,37 @@ def model_not_found(model: str) -> APIError:
 
 def engine_unavailable(reason: str) -> APIError:
     return APIError(reason, status=503, type=SERVICE_UNAVAILABLE, code="engine_unavailable")
+
+
+def overloaded(reason: str, retry_after_s: int) -> APIError:
+    return APIError(
+        reason,
+        status=503,
+        type=SERVICE_UNAVAILABLE,
+        code="server_overloaded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def shutting_down() -> APIError:
+    return APIError(
+        "The server is shutting down.", status=503, type=SERVICE_UNAVAILABLE, code="shutting_down"
+    )
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(
+        message, status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def body_too_large(limit: int, size: int | None) -> APIError:
+    actual = "" if size is None else f" (got {size} bytes)"
+    return APIError(
+        f"The request body exceeds the limit of {limit} bytes{actual}.",
+        status=413,
+        code="request_too_large",
+    )
 
 
 def internal_error(reason: str) -> APIError:

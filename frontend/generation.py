@@ -6,13 +6,22 @@ gone, error) ABORTs it in the engine.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import AddRequest, FinishReason
 from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import EngineClient, EngineRequestError, RequestStream
+from frontend.engine_client import (
+    EngineClient,
+    EngineRequestError,
+    EngineUnavailableError,
+    RequestStream,
+)
+from frontend.request_metrics import ERROR, RequestTimer
 from frontend.stop_strings import StopStringMatcher
 
 
@@ -54,8 +63,10 @@ class Generation:
         request: AddRequest,
         stop: list[str],
         eos_token_ids: list[int],
+        arrival: float | None = None,  # time.monotonic() of the API request
     ) -> None:
         self._engine = engine
+        self._timer = RequestTimer(engine.metrics, arrival or time.monotonic())
         self._request = request
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop_strings = StopStringMatcher(stop)
@@ -81,11 +92,24 @@ class Generation:
     async def __aexit__(self, *exc_info: object) -> None:
         if self._outputs is not None:
             self._outputs.close()
+            self._timer.finish(FinishReason.ABORT)  # unless it finished or failed before
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas; the last one carries the finish reason. Empty steps are skipped."""
         assert self._outputs is not None, "use `async with` first"
-        async for output in self._outputs:
+        try:
+            async with contextlib.aclosing(self._deltas(self._outputs)) as deltas:
+                async for delta in deltas:
+                    if delta.finish_reason is not None:
+                        self._timer.finish(delta.finish_reason)
+                    yield delta
+        except (EngineUnavailableError, EngineRequestError):
+            self._timer.finish(ERROR)
+            raise
+
+    async def _deltas(self, outputs: RequestStream) -> AsyncIterator[Delta]:
+        async for output in outputs:
+            self._timer.tokens(len(output.new_token_ids), self._engine.last_stats.step_time_s)
             self.usage.completion_tokens += len(output.new_token_ids)
             self.usage.cached_tokens = output.num_cached_tokens
             token_ids = output.new_token_ids
@@ -96,6 +120,8 @@ class Generation:
                 and token_ids[-1] in self._stop_token_ids
             ):
                 token_ids = token_ids[:-1]
+            if token_ids and min(token_ids) < 0:
+                raise EngineRequestError(f"the engine sent negative token ids: {token_ids}")
             text, logprobs = self._detokenize(token_ids, output.logprobs)
             if finish_reason is not None:
                 text += self._detokenizer.flush()
@@ -124,9 +150,8 @@ class Generation:
         # One token at a time, so each token's text offset is known.
         pieces: list[str] = []
         logprobs: list[TokenLogprob] = []
-        for token_id, (chosen, top) in zip(token_ids, raw_logprobs, strict=False):
-            top_pairs = [(int(top_id), float(value)) for top_id, value in top]
-            logprobs.append(TokenLogprob(token_id, float(chosen), top_pairs, self._text_length))
+        for token_id, raw in zip(token_ids, raw_logprobs, strict=False):
+            logprobs.append(_token_logprob(token_id, raw, self._text_length))
             piece = self._detokenizer.push([token_id])
             self._text_length += len(piece)
             pieces.append(piece)
@@ -142,3 +167,26 @@ class Generation:
             logprobs.extend(delta.logprobs)
             finish_reason = delta.finish_reason
         return Delta("".join(parts), finish_reason, logprobs)
+
+
+def _token_logprob(token_id: int, raw: Any, text_offset: int) -> TokenLogprob:
+    """One token's [chosen logprob, [[top id, logprob], ...]] as the engine sent it."""
+    try:
+        chosen, top = raw
+        top_pairs = [(_token_id(top_id), _logprob(value)) for top_id, value in top]
+        return TokenLogprob(token_id, _logprob(chosen), top_pairs, text_offset)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise EngineRequestError(f"the engine sent malformed logprobs: {exc}") from exc
+
+
+def _token_id(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} is not a token id")
+    return value
+
+
+def _logprob(value: Any) -> float:
+    logprob = float(value)
+    if math.isnan(logprob):
+        raise ValueError(f"{value!r} is not a log probability")
+    return logprob

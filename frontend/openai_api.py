@@ -13,8 +13,13 @@ from aiohttp import web
 from frontend.body_reader import parse_json_object
 from frontend.choices import choice_requests, total_usage
 from frontend.context_limit import ContextLimit
-from frontend.engine_client import EngineBusyError, EngineDeadError, EngineRequestError
-from frontend.errors import APIError, engine_unavailable, invalid_param
+from frontend.engine_client import (
+    EngineBusyError,
+    EngineRequestError,
+    EngineUnavailableError,
+    ShuttingDownError,
+)
+from frontend.errors import APIError, engine_unavailable, invalid_param, shutting_down
 from frontend.generation import Delta, Generation
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
 from frontend.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -27,6 +32,7 @@ logger = logging.getLogger("loom.frontend.api")
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
     state = request.app[STATE]
     body = parse_json_object(await request.read())
     _, info = state.ready_engine()
@@ -54,10 +60,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         ),
         echo=echo,
     )
-    return await _generate(request, state, prompts, options, response_format)
+    return await _generate(request, state, prompts, options, response_format, arrival)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
     state = request.app[STATE]
     body = parse_json_object(await request.read())
     _, info = state.ready_engine()
@@ -73,7 +80,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         logprobs=None if options.logprobs is None else ChatLogprobs(state.tokenizer.token_texts),
         num_choices=options.n,
     )
-    return await _generate(request, state, [prompt_ids], options, response_format)
+    return await _generate(request, state, [prompt_ids], options, response_format, arrival)
 
 
 async def _generate(
@@ -82,6 +89,7 @@ async def _generate(
     prompts: list[list[int]],
     options: GenerationOptions,
     response_format: ResponseFormat,
+    arrival: float,
 ) -> web.StreamResponse:
     engine, info = state.ready_engine()
     prompt_param = "messages" if isinstance(response_format, ChatFormat) else "prompt"
@@ -97,9 +105,11 @@ async def _generate(
     )
     generations = [
         Generation(engine, state.tokenizer.tokenizer, engine_request, options.stop,
-                   info.eos_token_ids)
+                   info.eos_token_ids, arrival)
         for engine_request in engine_requests
     ]  # fmt: skip
+    # No await between this check and the last ADD: the estimate cannot go stale.
+    state.admission.admit(engine, len(engine_requests))
     try:
         async with contextlib.AsyncExitStack() as running:
             for generation in generations:
@@ -107,7 +117,7 @@ async def _generate(
             if options.stream:
                 return await _stream(request, generations, options.n, response_format)
             results = await _collect_all(generations)
-    except (EngineDeadError, EngineBusyError, EngineRequestError) as exc:
+    except (EngineUnavailableError, EngineBusyError, EngineRequestError) as exc:
         raise _engine_failure(exc) from exc
     for generation, result in zip(generations, results, strict=True):
         _log_finished(generation, result.finish_reason)
@@ -147,7 +157,7 @@ async def _stream(
             if response_format.include_usage:
                 usage = total_usage([generation.usage for generation in generations], n)
                 await events.send(response_format.usage_chunk(usage))
-        except (EngineDeadError, EngineRequestError) as exc:
+        except (EngineUnavailableError, EngineRequestError) as exc:
             logger.warning("%s failed mid-stream: %s", response_format.request_id, exc)
             await events.send(_engine_failure(exc).body())
         await events.done()
@@ -162,6 +172,8 @@ async def _stream(
 def _engine_failure(exc: Exception) -> APIError:
     if isinstance(exc, EngineRequestError):
         return APIError(f"The engine refused the request: {exc}", code="request_refused")
+    if isinstance(exc, ShuttingDownError):
+        return shutting_down()
     return engine_unavailable(str(exc))
 
 

@@ -8,8 +8,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from common.protocol import Ready
+from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS, Admission
+from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
+from frontend.drain import Drain
 from frontend.engine_client import EngineClient
-from frontend.errors import engine_unavailable, model_not_found
+from frontend.errors import engine_unavailable, model_not_found, shutting_down
+from frontend.metrics import LoomMetrics
 from frontend.tokenization import TokenizerService
 
 
@@ -19,6 +23,10 @@ class FrontendSettings:
     requests_addr: str
     outputs_addr: str
     engine_info: Ready | None = None
+    api_key: str | None = None  # None: the /v1 routes are open
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine_pid: int | None = None  # watched, so the engine's death is noticed at once
 
 
 @dataclass(slots=True)
@@ -27,20 +35,30 @@ class ServerState:
     tokenizer: TokenizerService
     engine: EngineClient | None = None  # created on startup, inside the event loop
     created: int = field(default_factory=lambda: int(time.time()))
+    metrics: LoomMetrics = field(default_factory=LoomMetrics)
+    drain: Drain = field(default_factory=Drain)
 
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
+
+    @property
+    def admission(self) -> Admission:
+        return Admission(self.settings.max_waiting_requests)
 
     def unavailable_reason(self) -> str | None:
         if self.settings.engine_info is None:
             return "The engine has not reported its configuration."
         if self.engine is None or self.engine.engine_dead:
             return "The engine is not running."
+        if self.drain.draining:
+            return "The server is shutting down."
         return None
 
     def ready_engine(self) -> tuple[EngineClient, Ready]:
         """The engine client and its facts, or a 503 when there is no working engine."""
+        if self.drain.draining:
+            raise shutting_down()
         reason = self.unavailable_reason()
         if reason is not None:
             raise engine_unavailable(reason)

@@ -1,0 +1,37 @@
+"""Overload protection: a bound on requests waiting for the engine.
+
+Waiting means sent to the engine and not yet running there (in flight minus the latest
+stats' running count); each of a request's n choices counts. Past the bound a new
+request is refused at once with 503 and Retry-After, and the admitted ones carry on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from frontend.engine_client import EngineClient
+from frontend.errors import overloaded
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS
+
+    def admit(self, engine: EngineClient, num_choices: int) -> None:
+        """Raises the 503 APIError when the waiting queue has no room for num_choices.
+
+        A request larger than the whole bound still runs when nothing waits, so it is
+        never refused for ever.
+        """
+        waiting = engine.num_waiting_estimate
+        if waiting == 0 or waiting + num_choices <= self.max_waiting:
+            return
+        engine.metrics.requests_rejected.labels(reason="overloaded").inc()
+        raise overloaded(
+            f"The server is overloaded: {waiting} requests are waiting (limit "
+            f"{self.max_waiting}). Retry after {RETRY_AFTER_S} s.",
+            RETRY_AFTER_S,
+        )

@@ -1,0 +1,43 @@
+"""API keys: every /v1 route needs `Authorization: Bearer <key>` when a key is set.
+
+/health and /metrics stay open, as load balancers and scrapers expect.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from frontend.errors import unauthorized
+
+PROTECTED_PREFIX = "/v1"
+
+
+def is_protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+
+
+def bearer_token(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def api_key_middleware(api_key: str) -> web.middleware:
+    expected = api_key.encode()
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+        if is_protected(request.path):
+            token = bearer_token(request)
+            if token is None:
+                raise unauthorized(
+                    "Missing API key: send it as an 'Authorization: Bearer <key>' header."
+                )
+            if not hmac.compare_digest(token.encode(), expected):
+                raise unauthorized("Incorrect API key provided.")
+        return await handler(request)
+
+    return check_api_key
