@@ -18,6 +18,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError("The request body nests JSON too deeply.") from exc
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
     return body

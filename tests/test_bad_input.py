@@ -1,0 +1,180 @@
+"""Bad input over real HTTP against a launch.py server (API key set, small body cap): each
+request gets the right 4xx with an OpenAI error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.launched_server import LaunchedServer
+from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model, tiny_server
+
+pytestmark = pytest.mark.e2e
+
+API_KEY = "sk-loom-test-key"
+MAX_BODY_BYTES = 64 * 1024
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: str
+    body: Any = None  # a dict/list is sent as JSON; bytes as they are
+    status: int = 400
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=lambda: dict(AUTH))
+    method: str = "POST"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": TINY_MODEL_NAME, "messages": USER, "max_tokens": 2} | fields
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": TINY_MODEL_NAME, "prompt": "Hi", "max_tokens": 2} | fields
+
+
+CASES = [
+    # authentication
+    Case("no API key", CHAT, chat(), 401, code="invalid_api_key", headers={}),
+    Case("wrong API key", CHAT, chat(), 401, code="invalid_api_key",
+         headers={"Authorization": "Bearer sk-wrong"}),
+    Case("API key with another scheme", CHAT, chat(), 401, code="invalid_api_key",
+         headers={"Authorization": f"Basic {API_KEY}"}),
+    Case("a prefix of the API key", COMPLETIONS, completion(), 401, code="invalid_api_key",
+         headers={"Authorization": f"Bearer {API_KEY[:-1]}"}),
+    Case("models without a key", "/v1/models", None, 401, method="GET", headers={}),
+    # the body itself
+    Case("invalid JSON", CHAT, b'{"model": "tiny-llama", "messages": ['),
+    Case("empty body", CHAT, b""),
+    Case("JSON array instead of object", CHAT, [chat()]),
+    Case("JSON NaN", COMPLETIONS, b'{"prompt": "Hi", "max_tokens": NaN}'),
+    Case("invalid UTF-8 bytes", COMPLETIONS,
+         b'{"prompt": "caf\xc3\x28 \xff\xfe", "max_tokens": 2}'),
+    Case("JSON nested 30000 deep", COMPLETIONS, b"[" * 30_000 + b"]" * 30_000),
+    Case("oversized body", COMPLETIONS,
+         completion(prompt="x" * (MAX_BODY_BYTES + 10)), 413, code="request_too_large"),
+    # messages and prompts
+    Case("messages missing", CHAT, {"model": TINY_MODEL_NAME}, param="messages",
+         code="missing_required_parameter"),
+    Case("messages empty", CHAT, chat(messages=[]), param="messages"),
+    Case("messages not a list", CHAT, chat(messages="Hi"), param="messages"),
+    Case("message not an object", CHAT, chat(messages=["Hi"]), param="messages[0]"),
+    Case("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "Hi"}]),
+         param="messages[0].role"),
+    Case("content a number", CHAT, chat(messages=[{"role": "user", "content": 42}]),
+         param="messages[0].content"),
+    Case("image content part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]),
+         param="messages[0].content[0]"),
+    Case("prompt a number", COMPLETIONS, completion(prompt=3.5), param="prompt"),
+    Case("prompt token id outside the vocabulary", COMPLETIONS,
+         completion(prompt=[1, 10**9]), param="prompt"),
+    Case("prompt over the context", COMPLETIONS, completion(prompt=" hello" * 3000),
+         code="context_length_exceeded"),
+    # max_tokens and n
+    Case("max_tokens negative", COMPLETIONS, completion(max_tokens=-5), param="max_tokens"),
+    Case("max_tokens zero", CHAT, chat(max_tokens=0), param="max_tokens"),
+    Case("max_tokens huge", CHAT, chat(max_tokens=10**9), param="max_tokens",
+         code="context_length_exceeded"),
+    Case("max_tokens a string", COMPLETIONS, completion(max_tokens="10"), param="max_tokens"),
+    Case("max_tokens fractional", COMPLETIONS, completion(max_tokens=1.5), param="max_tokens"),
+    Case("max_completion_tokens negative", CHAT, chat(max_completion_tokens=-1),
+         param="max_completion_tokens"),
+    Case("n zero", CHAT, chat(n=0), param="n"),
+    Case("n too large", COMPLETIONS, completion(n=100_000), param="n"),
+    Case("n a boolean", COMPLETIONS, completion(n=True), param="n"),
+    # sampling and other options
+    Case("temperature negative", CHAT, chat(temperature=-1), param="temperature"),
+    Case("temperature a string", CHAT, chat(temperature="hot"), param="temperature"),
+    Case("top_p zero", COMPLETIONS, completion(top_p=0), param="top_p"),
+    Case("top_p above one", COMPLETIONS, completion(top_p=1.5), param="top_p"),
+    Case("stop a number", CHAT, chat(stop=5), param="stop"),
+    Case("stop a list with a number", COMPLETIONS, completion(stop=["a", 1]), param="stop"),
+    Case("stop an empty string", COMPLETIONS, completion(stop=""), param="stop"),
+    Case("stream a string", CHAT, chat(stream="yes"), param="stream"),
+    Case("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}),
+         param="stream_options"),
+    Case("seed a string", COMPLETIONS, completion(seed="abc"), param="seed"),
+    Case("logit_bias key not a token", COMPLETIONS, completion(logit_bias={"abc": 1}),
+         param="logit_bias"),
+    Case("stop_token_ids outside the vocabulary", CHAT, chat(stop_token_ids=[-1]),
+         param="stop_token_ids"),
+    Case("completion logprobs too many", COMPLETIONS, completion(logprobs=50),
+         param="logprobs"),
+    Case("top_logprobs without logprobs", CHAT, chat(top_logprobs=3), param="top_logprobs"),
+    # routing
+    Case("unknown model", CHAT, chat(model="gpt-17"), 404, param="model",
+         code="model_not_found"),
+    Case("unknown route", "/v1/engines", completion(), 404),
+    Case("GET on a POST route", COMPLETIONS, None, 405, method="GET"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    launched = tiny_server(shared_tiny_model(tmp_path_factory), "--num-kv-blocks", "512",
+                           "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES))
+    launched.start(tmp_path_factory.mktemp("logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+    assert "Traceback" not in launched.log
+
+
+def send(server: LaunchedServer, method: str, path: str, body: Any,
+         headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        sent_headers = {"Content-Type": "application/json"} | headers
+        connection.request(method, path, body=raw, headers=sent_headers)
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def assert_serves_normally(server: LaunchedServer) -> None:
+    status, _, raw = send(server, "POST", COMPLETIONS, completion(max_tokens=1), AUTH)
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_catalogue_is_large_enough() -> None:
+    assert len(CASES) >= 30
+    assert len({case.name for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_gets_an_openai_error(server: LaunchedServer, case: Case) -> None:
+    status, headers, raw = send(server, case.method, case.path, case.body, case.headers)
+    assert status == case.status, raw[:500]
+    assert headers.get("Content-Type", "").startswith("application/json")
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error"
+    if case.param is not None:
+        assert error["param"] == case.param
+    if case.code is not None:
+        assert error["code"] == case.code
+    if status == 401:
+        assert headers.get("WWW-Authenticate") == "Bearer"
+    assert_serves_normally(server)
+
+
+def test_health_and_metrics_need_no_key(server: LaunchedServer) -> None:
+    assert send(server, "GET", "/health", None, {})[0] == 200
+    status, headers, raw = send(server, "GET", "/metrics", None, {})
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert b"loom:num_requests_running" in raw
