@@ -7,23 +7,10 @@ import json
 import time
 from typing import Any
 
-import pytest
-
 from frontend.state import STATE
-from tests.fake_engine import MAX_MODEL_LEN, MODEL_NAME, FrontendHarness, build_test_tokenizer
+from tests.fake_engine import MAX_MODEL_LEN, MODEL_NAME, FrontendHarness
 
 REPLY = "Hello world! The capital of France is Paris."
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
-
-
-@pytest.fixture
-async def harness(tokenizer: Any):
-    async with FrontendHarness(tokenizer) as running:
-        yield running
 
 
 def parse_sse(raw: str) -> list[Any]:

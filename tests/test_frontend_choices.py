@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
@@ -12,24 +11,13 @@ from common.protocol import AddRequest
 from frontend.choices import SEED_SPAN, sample_seed, total_usage
 from frontend.generation import Usage
 from frontend.stream_merge import merge
-from tests.fake_engine import FrontendHarness, build_test_tokenizer
+from tests.fake_engine import FrontendHarness
 from tests.test_frontend import parse_sse
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "Hi"}]
 ANSWERS = ["Hello world!", "The quick brown fox.", "Paris is the capital.", "Stop here."]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
-
-
-@pytest.fixture
-async def harness(tokenizer: Any) -> AsyncIterator[FrontendHarness]:
-    async with FrontendHarness(tokenizer) as running:
-        yield running
 
 
 def answer_by_choice(harness: FrontendHarness) -> None:

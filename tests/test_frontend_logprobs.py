@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from frontend.detokenizer import REPLACEMENT_CHAR
 from frontend.token_texts import TokenTexts, byte_level_alphabet
-from tests.fake_engine import FrontendHarness, build_test_tokenizer
+from tests.fake_engine import FrontendHarness
 from tests.test_frontend import parse_sse
 
 CHAT = "/v1/chat/completions"
@@ -17,17 +16,6 @@ COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "Hi"}]
 ASCII_REPLY = "Hello world! The capital"
 MIXED_REPLY = "Hi 😀 你好 there"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
-
-
-@pytest.fixture
-async def harness(tokenizer: Any) -> AsyncIterator[FrontendHarness]:
-    async with FrontendHarness(tokenizer) as running:
-        yield running
 
 
 def shown(tokenizer: Any, token_id: int) -> str:

@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import openai
 import pytest
 
-from tests.fake_engine import MODEL_NAME, FrontendHarness, build_test_tokenizer
+from tests.fake_engine import MODEL_NAME, FrontendHarness
 
 REPLY = "Paris is the capital of France. 😀 你好"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
-
-
-@pytest.fixture
-async def harness(tokenizer: Any) -> AsyncIterator[FrontendHarness]:
-    async with FrontendHarness(tokenizer) as running:
-        yield running
 
 
 @pytest.fixture

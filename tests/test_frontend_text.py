@@ -10,14 +10,8 @@ import pytest
 
 from frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from frontend.stop_strings import StopStringMatcher
-from tests.fake_engine import build_test_tokenizer
 
 MIXED_TEXT = "Hello 😀 world! 你好\uff0c世界 🇫🇷 café naïve — Ωμέγα 👩‍👩‍👧 end"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
 
 
 def stream(tokenizer: Any, token_ids: list[int], chunk_sizes: list[int] | None = None) -> list[str]:

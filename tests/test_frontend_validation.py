@@ -8,22 +8,11 @@ from typing import Any
 import pytest
 
 from frontend.state import STATE
-from tests.fake_engine import MAX_MODEL_LEN, FrontendHarness, build_test_tokenizer
+from tests.fake_engine import MAX_MODEL_LEN, FrontendHarness
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
-
-
-@pytest.fixture
-async def harness(tokenizer: Any):
-    async with FrontendHarness(tokenizer) as running:
-        yield running
 
 
 def completion(**fields: Any) -> tuple[str, dict[str, Any]]:
