@@ -13,6 +13,20 @@ from frontend.generation import Delta, Usage
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
 
 
+def stream_chunk(response: CompletionFormat | ChatFormat, object_name: str,
+                 choices: list[dict[str, Any]]) -> dict[str, Any]:
+    chunk = {
+        "id": response.request_id,
+        "object": object_name,
+        "created": response.created,
+        "model": response.model,
+        "choices": choices,
+    }
+    if response.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
 @dataclass(slots=True)
 class CompletionFormat:
     request_id: str
@@ -23,16 +37,7 @@ class CompletionFormat:
     echo: list[str] | None = None  # per choice index: the prompt text to put first
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
+        return stream_chunk(self, "text_completion", choices)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         if self.echo is None:
@@ -79,16 +84,7 @@ class ChatFormat:
     num_choices: int = 1
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
+        return stream_chunk(self, "chat.completion.chunk", choices)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         opening = {"role": "assistant", "content": ""}
