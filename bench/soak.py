@@ -40,11 +40,11 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 WORDS = ("river", "stone", "lamp", "quiet", "orbit", "maple", "signal", "harbor", "velvet",
          "cinder", "meadow", "ledger", "prism", "tundra", "falcon", "copper", "lantern")
-# (share of requests, smallest, largest) max_tokens
-OUTPUT_MIX = ((0.5, 1, 16), (0.35, 16, 128), (0.15, 128, 384))
-PROMPT_WORDS = ((0.6, 1, 30), (0.3, 30, 200), (0.1, 200, 800))
+# (share of requests, smallest, largest) as fractions of the longest: mixed lengths
+LENGTH_MIX = ((0.5, 0.0, 0.05), (0.35, 0.05, 0.33), (0.15, 0.33, 1.0))
 IDLE_TIMEOUT_S = 60.0
 RSS_SAMPLE_S = 1.0
+WARMUP_S = 10.0
 
 
 @dataclass(slots=True)
@@ -121,18 +121,21 @@ async def stream_one(
     return outcome
 
 
-def pick(rng: random.Random, mix: tuple[tuple[float, int, int], ...]) -> int:
+def pick_length(rng: random.Random, longest: int) -> int:
     share = rng.random()
-    for weight, low, high in mix:
+    for weight, low, high in LENGTH_MIX:
         if share < weight:
-            return rng.randint(low, high)
+            return max(1, round(longest * rng.uniform(low, high)))
         share -= weight
-    return mix[-1][2]
+    return longest
 
 
-def random_request(rng: random.Random, model: str) -> tuple[str, dict[str, Any]]:
-    text = " ".join(rng.choice(WORDS) for _ in range(pick(rng, PROMPT_WORDS)))
-    body: dict[str, Any] = {"model": model, "stream": True, "max_tokens": pick(rng, OUTPUT_MIX),
+def random_request(rng: random.Random, model: str, config: SoakConfig
+                   ) -> tuple[str, dict[str, Any]]:
+    words = pick_length(rng, config.max_prompt_words)
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    body: dict[str, Any] = {"model": model, "stream": True,
+                            "max_tokens": pick_length(rng, config.max_tokens),
                             "temperature": rng.choice([0.0, 0.7, 1.0]), "ignore_eos": True}
     if rng.random() < 0.5:
         return CHAT, body | {"messages": [{"role": "user", "content": text}]}
@@ -147,6 +150,8 @@ class SoakConfig:
     disconnect_fraction: float = 0.2
     seed: int = 0
     api_key: str | None = None
+    max_tokens: int = 384  # the longest answers; most are far shorter
+    max_prompt_words: int = 800
 
 
 @dataclass(slots=True)
@@ -170,7 +175,7 @@ async def client_loop(worker: int, config: SoakConfig, model: str, deadline: flo
     rng = random.Random(config.seed * 100_003 + worker)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
     while time.monotonic() < deadline:
-        path, body = random_request(rng, model)
+        path, body = random_request(rng, model, config)
         cut = rng.randint(0, 12) if rng.random() < config.disconnect_fraction else None
         outcome = await stream_one(session, config.url + path, body, cut, headers)
         tally.add(outcome)
@@ -194,7 +199,12 @@ def rss_bytes(pid: int) -> int | None:
 
 @dataclass(slots=True)
 class RssTrack:
+    """RSS of one process. Growth counts from the first sample after the warm-up, when
+    the allocators have seen full batches; the cold figure is kept beside it."""
+
     pid: int
+    baseline_at: float  # time.monotonic() after which the baseline is taken
+    cold: int | None = None
     first: int | None = None
     last: int | None = None
     peak: int = 0
@@ -203,17 +213,22 @@ class RssTrack:
         value = rss_bytes(self.pid)
         if value is None:
             return
-        self.first = value if self.first is None else self.first
+        self.cold = value if self.cold is None else self.cold
+        if self.first is None and time.monotonic() >= self.baseline_at:
+            self.first = value
         self.last = value
         self.peak = max(self.peak, value)
 
     def summary(self) -> dict[str, float | None]:
-        if self.first is None or self.last is None:
-            return {"start_mb": None, "end_mb": None, "peak_mb": None, "growth_mb": None}
         mb = 1024 * 1024
-        return {"start_mb": round(self.first / mb, 1), "end_mb": round(self.last / mb, 1),
-                "peak_mb": round(self.peak / mb, 1),
-                "growth_mb": round((self.last - self.first) / mb, 1)}
+
+        def megabytes(value: int | None) -> float | None:
+            return None if value is None else round(value / mb, 1)
+
+        growth = None if self.first is None or self.last is None else self.last - self.first
+        return {"cold_mb": megabytes(self.cold), "start_mb": megabytes(self.first),
+                "end_mb": megabytes(self.last), "peak_mb": megabytes(self.peak),
+                "growth_mb": megabytes(growth)}
 
 
 async def sample_rss(tracks: dict[str, RssTrack], stop: asyncio.Event) -> None:
@@ -258,7 +273,8 @@ async def run_soak(config: SoakConfig, pids: dict[str, int]) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = await first_model(session, config.url, config.api_key)
         before = await read_metrics(session, config.url)
-        tracks = {name: RssTrack(pid) for name, pid in pids.items()}
+        baseline_at = time.monotonic() + min(WARMUP_S, config.duration_s / 4)
+        tracks = {name: RssTrack(pid, baseline_at) for name, pid in pids.items()}
         stop_sampling = asyncio.Event()
         sampler = asyncio.create_task(sample_rss(tracks, stop_sampling))
         tally = Tally()
@@ -307,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disconnect-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--max-tokens", type=int, default=384,
+                        help="the longest answers (half are under 5%% of it)")
+    parser.add_argument("--max-prompt-words", type=int, default=800)
     parser.add_argument("--json", default=None, help="write the report here as JSON")
     return parser.parse_args(argv)
 
@@ -345,14 +364,14 @@ def print_report(report: dict[str, Any]) -> None:
           f"KV usage {leaks['kv_cache_usage_perc']:.4f}, "
           f"{leaks['num_requests_running']:.0f} still running at the end")
     for name, rss in report["rss"].items():
-        print(f"  {name} RSS: {rss['start_mb']} -> {rss['end_mb']} MB "
-              f"(peak {rss['peak_mb']}, growth {rss['growth_mb']} MB)")
+        print(f"  {name} RSS: {rss['start_mb']} -> {rss['end_mb']} MB after warm-up "
+              f"(cold {rss['cold_mb']}, peak {rss['peak_mb']}, growth {rss['growth_mb']} MB)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = SoakConfig(args.url or "", args.clients, args.duration, args.disconnect_fraction,
-                        args.seed, args.api_key)
+                        args.seed, args.api_key, args.max_tokens, args.max_prompt_words)
     server = None
     if args.url is None:
         from bench.launched import LoomServer

@@ -1,0 +1,120 @@
+"""GET /metrics: Prometheus text with the `loom:` names, fed by engine stats and requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from bench.metrics import parse_prometheus
+from common.protocol import StepStats
+from frontend.metrics import LoomMetrics
+from tests.fake_engine import FrontendHarness, build_test_tokenizer
+
+EXPECTED_NAMES = [
+    "loom:num_requests_running", "loom:num_requests_waiting", "loom:kv_cache_usage_perc",
+    "loom:num_preemptions_total", "loom:prompt_tokens_total", "loom:generation_tokens_total",
+    "loom:prefix_cache_queries_total", "loom:prefix_cache_hits_total",
+    "loom:kv_integrity_violations_total", "loom:engine_bad_frames_total",
+    "loom:frontend_bad_frames_total", "loom:time_to_first_token_seconds_count",
+    "loom:inter_token_latency_seconds_count", "loom:e2e_request_latency_seconds_count",
+    "loom:request_queue_time_seconds_count", "loom:step_time_seconds_count",
+]
+
+
+def samples(metrics: LoomMetrics) -> dict[str, float]:
+    return parse_prometheus(metrics.render().decode()).samples
+
+
+def test_every_metric_is_exported_with_its_type() -> None:
+    metrics = LoomMetrics()
+    snapshot = parse_prometheus(metrics.render().decode())
+    for name in EXPECTED_NAMES:
+        assert name in snapshot.samples, name
+    assert snapshot.types["loom:num_requests_running"] == "gauge"
+    assert snapshot.types["loom:num_preemptions_total"] == "counter"
+    assert snapshot.types["loom:step_time_seconds"] == "histogram"
+
+
+def test_engine_totals_never_go_backwards() -> None:
+    metrics = LoomMetrics()
+    seen = []
+    for total in [5, 3, 7, 7, float("nan"), 8]:
+        metrics.observe_step(StepStats(num_preemptions_total=total, step_time_s=0.01))
+        seen.append(samples(metrics)["loom:num_preemptions_total"])
+    assert seen == sorted(seen)
+    assert seen[-1] == 5 + (7 - 3) + (8 - 7)  # after a lower total, counting resumes from it
+
+
+def test_step_stats_feed_gauges_counters_and_step_times() -> None:
+    metrics = LoomMetrics()
+    metrics.observe_step(StepStats(num_running=3, num_waiting=2, kv_cache_usage=0.25,
+                                   num_prompt_tokens=100, num_generation_tokens=3,
+                                   step_time_s=0.02, prefix_cache_queries_total=64,
+                                   prefix_cache_hits_total=32, bad_frames_total=1))
+    metrics.observe_step(StepStats(num_running=3, num_generation_tokens=3, step_time_s=0.01,
+                                   prefix_cache_queries_total=64, prefix_cache_hits_total=32,
+                                   bad_frames_total=1))
+    metrics.observe_step(StepStats(kv_integrity_violations_total=0))  # going idle: no step
+    values = samples(metrics)
+    assert values["loom:num_requests_running"] == 0
+    assert values["loom:kv_cache_usage_perc"] == 0
+    assert values["loom:prompt_tokens_total"] == 100
+    assert values["loom:generation_tokens_total"] == 6
+    assert values["loom:prefix_cache_queries_total"] == 64
+    assert values["loom:prefix_cache_hits_total"] == 32
+    assert values["loom:engine_bad_frames_total"] == 1
+    assert values["loom:step_time_seconds_count"] == 2
+    assert values["loom:step_time_seconds_sum"] == pytest.approx(0.03)
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[FrontendHarness]:
+    async with FrontendHarness(build_test_tokenizer()) as running:
+        yield running
+
+
+async def scrape(harness: FrontendHarness) -> dict[str, float]:
+    response = await harness.client.get("/metrics")
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    return parse_prometheus(await response.text()).samples
+
+
+async def test_requests_are_timed_and_counted_per_choice(harness: FrontendHarness) -> None:
+    script = harness.reply_with("Hello world!")  # then EOS
+    body = {"prompt": "Hi", "n": 2}
+    assert (await harness.client.post("/v1/completions", json=body)).status == 200
+    response = await harness.client.post("/v1/completions", json=body | {"stream": True})
+    await response.read()
+    values = await scrape(harness)
+    choices = 4
+    assert values['loom:request_success_total{finished_reason="stop"}'] == choices
+    assert values["loom:time_to_first_token_seconds_count"] == choices
+    assert values["loom:request_queue_time_seconds_count"] == choices
+    assert values["loom:e2e_request_latency_seconds_count"] == choices
+    # Every token after each choice's first one is an inter-token gap.
+    assert values["loom:inter_token_latency_seconds_count"] == choices * (len(script) - 1)
+    assert values["loom:generation_tokens_total"] == choices * len(script)
+    assert values["loom:step_time_seconds_count"] == 0  # the fake engine times no steps
+
+
+async def test_a_client_that_leaves_counts_as_abort(harness: FrontendHarness) -> None:
+    harness.reply_with("Hello world!", eos=False)
+    harness.engine.step_interval_s = 0.01
+    response = await harness.client.post(
+        "/v1/completions", json={"prompt": "Hi", "max_tokens": 200, "stream": True})
+    await response.content.readuntil(b"\n\n")
+    response.close()
+    await harness.engine.wait_for(lambda: bool(harness.engine.aborted))
+    await asyncio.sleep(0.05)
+    values = await scrape(harness)
+    assert values['loom:request_success_total{finished_reason="abort"}'] == 1
+
+
+async def test_bad_frames_from_the_engine_are_counted(harness: FrontendHarness) -> None:
+    await harness.engine.send_raw(b"\xc1 not msgpack")
+    harness.reply_with("Hi")
+    assert (await harness.client.post("/v1/completions", json={"prompt": "Hi"})).status == 200
+    assert (await scrape(harness))["loom:frontend_bad_frames_total"] == 1
