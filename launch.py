@@ -171,7 +171,8 @@ class Launcher:
     def stop_all(self) -> None:
         # The frontend goes first: it stops accepting and lets in-flight requests finish
         # (up to --shutdown-timeout) while the engine still serves them.
-        grace = {"frontend": self.args.shutdown_timeout + STOP_TIMEOUT_S / 2,
+        # After its drain the frontend takes up to ~2 s more to abort what is left and close.
+        grace = {"frontend": self.args.shutdown_timeout + STOP_TIMEOUT_S,
                  "engine": STOP_TIMEOUT_S / 2}
         for name in ("frontend", "engine"):
             child = self.children.get(name)

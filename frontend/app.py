@@ -84,7 +84,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    reason = request.app[STATE].unavailable_reason()
+    reason = request.app[STATE].health_problem()
     if reason is not None:
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
     return web.json_response({"status": "ok"})

@@ -92,6 +92,7 @@ class EngineClient:
         self.num_bad_frames = 0
         self.engine_dead = False
         self.engine_exited = False  # the process is gone: no reconnect will revive it
+        self._shutting_down: str | None = None  # set by fail_all: no new requests either
         self.last_stats = StepStats()
         self.last_step = -1
 
@@ -130,6 +131,8 @@ class EngineClient:
         """
         if self.engine_dead:
             raise EngineDeadError("the engine is not running")
+        if self._shutting_down is not None:
+            raise ShuttingDownError(self._shutting_down)
         if request.request_id in self._queues:
             raise ValueError(f"duplicate request id {request.request_id}")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
@@ -167,7 +170,9 @@ class EngineClient:
             raise EngineBusyError("the engine's request queue is full") from exc
 
     def fail_all(self, reason: str) -> None:
-        """End every open request with ShuttingDownError; the engine gets their ABORTs."""
+        """End every open request with ShuttingDownError, and refuse new ones; the engine
+        gets their ABORTs."""
+        self._shutting_down = reason
         for queue in self._queues.values():
             queue.put_nowait(_Failure(ShuttingDownError(reason), engine_gone=False))
 

@@ -12,7 +12,7 @@ from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS, Admission
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
 from frontend.drain import Drain
 from frontend.engine_client import EngineClient
-from frontend.errors import engine_unavailable, model_not_found, shutting_down
+from frontend.errors import engine_unavailable, model_not_found
 from frontend.metrics import LoomMetrics
 from frontend.tokenization import TokenizerService
 
@@ -51,14 +51,18 @@ class ServerState:
             return "The engine has not reported its configuration."
         if self.engine is None or self.engine.engine_dead:
             return "The engine is not running."
-        if self.drain.draining:
-            return "The server is shutting down."
         return None
 
-    def ready_engine(self) -> tuple[EngineClient, Ready]:
-        """The engine client and its facts, or a 503 when there is no working engine."""
+    def health_problem(self) -> str | None:
         if self.drain.draining:
-            raise shutting_down()
+            return "The server is shutting down."
+        return self.unavailable_reason()
+
+    def ready_engine(self) -> tuple[EngineClient, Ready]:
+        """The engine client and its facts, or a 503 when there is no working engine.
+
+        A request that arrived before a drain began still runs: the drain refuses only
+        new ones."""
         reason = self.unavailable_reason()
         if reason is not None:
             raise engine_unavailable(reason)

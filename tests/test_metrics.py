@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from bench.metrics import parse_prometheus
 from common.protocol import StepStats
 from frontend.metrics import LoomMetrics
-from tests.fake_engine import FrontendHarness, build_test_tokenizer
+from tests.fake_engine import FrontendHarness
 
 EXPECTED_NAMES = [
     "loom:num_requests_running", "loom:num_requests_waiting", "loom:kv_cache_usage_perc",
@@ -67,12 +66,6 @@ def test_step_stats_feed_gauges_counters_and_step_times() -> None:
     assert values["loom:engine_bad_frames_total"] == 1
     assert values["loom:step_time_seconds_count"] == 2
     assert values["loom:step_time_seconds_sum"] == pytest.approx(0.03)
-
-
-@pytest.fixture
-async def harness() -> AsyncIterator[FrontendHarness]:
-    async with FrontendHarness(build_test_tokenizer()) as running:
-        yield running
 
 
 async def scrape(harness: FrontendHarness) -> dict[str, float]:
