@@ -59,7 +59,7 @@ async def test_a_burst_past_the_bound_gets_503_with_retry_after(server: Launched
             assert int(headers["Retry-After"]) >= 1
             assert payload["error"]["type"] == "service_unavailable"
             assert payload["error"]["code"] == "server_overloaded"
-            assert elapsed < 1.0  # refused at once, not after queueing
+            assert elapsed < 2.0  # refused at once, not after the admitted ones
         for _, _, payload, _ in served:
             assert payload["choices"][0]["finish_reason"] == "length"
             assert payload["usage"]["completion_tokens"] == 24
