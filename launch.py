@@ -53,13 +53,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help="require 'Authorization: Bearer KEY' on /v1 routes "
                              f"(default: ${API_KEY_ENV}; /health and /metrics stay open)")
-    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+    parser.add_argument("--max-waiting-requests", type=positive_int, default=1024,
                         help="requests waiting for the engine (each of n choices counts) "
                              "beyond which new ones get 503 with Retry-After")
-    parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+    parser.add_argument("--max-body-bytes", type=positive_int, default=32 * 1024 * 1024,
                         help="largest request body accepted; larger ones get 413")
     add_engine_args(parser)
     return parser.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def say(message: str) -> None:

@@ -85,6 +85,7 @@ async def wait_exit(server: LaunchedServer, timeout_s: float = 30.0) -> int:
 
 async def test_engine_killed_under_load(tmp_path_factory: pytest.TempPathFactory) -> None:
     server = start(tmp_path_factory)
+    runtime_dir = runtime_dir_of(server)
     try:
         url = server.base_url + "/v1/completions"
         async with session() as http:
@@ -116,6 +117,7 @@ async def test_engine_killed_under_load(tmp_path_factory: pytest.TempPathFactory
     finally:
         server.stop()
     assert not child_pids(server.process.pid)
+    assert not runtime_dir.exists()
 
 
 async def test_frontend_killed_stops_the_engine(tmp_path_factory: pytest.TempPathFactory):
