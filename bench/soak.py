@@ -1,5 +1,4 @@
-"""Soak test: many streaming clients for a while, some hanging up mid-stream; nothing may be
-lost and no KV block may leak.
+"""Soak test: streaming clients that hang up at random; nothing lost, no KV block leaked.
 
     python -m bench.soak [--model DIR|tiny] [--clients 200] [--duration 120]
         [--disconnect-fraction 0.2] [--seed 0] [--json FILE]
