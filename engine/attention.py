@@ -22,25 +22,18 @@ hold finite values everywhere: allocate them with `torch.zeros`.
 from __future__ import annotations
 
 import array
-import ctypes
 import functools
-import hashlib
 import itertools
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from common.default_model import default_cache_dir
+from engine.cpu_decode_kernel import kernel_supports, load_cpp_decode, run_paged_decode
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +391,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if use_kernel:
         assert plan.decodes is not None
-        cpp_decode(q, k_cache, v_cache, plan.decodes, scale, out)
+        run_paged_decode(q, k_cache, v_cache, plan.decodes, scale, out)
     elif plan.decodes is not None:
         buckets = decode_buckets(plan.decodes, block_size)
         in_place = len(buckets) == 1 and buckets[0].row_range == (0, buckets[0].size)
@@ -539,291 +532,12 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-# ---------------------------------------------------------------- C++ paged-decode kernel
-
-# Plain C++ (no torch headers: it compiles in seconds), loaded through ctypes. One OpenMP
-# task per (request, kv head) reads that head's blocks straight from the paged cache, with
-# the next block prefetched, and keeps scores, softmax and accumulators in fp32.
-CPP_SOURCE = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {  // round to nearest even; NaN stays NaN
-  uint32_t bits = __builtin_bit_cast(uint32_t, x);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *dst = uint16_t((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = uint16_t(bits >> 16);
-}
-
-// exp(x) for x <= 0 (a score minus its row max) in plain arithmetic that vectorizes.
-inline float exp_nonpositive(float x) {
-  x = x > -87.0f ? x : -87.0f;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
-}
-
-inline void prefetch(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-}
-
-constexpr int kMaxGroup = 16;
-constexpr int kMaxDim = 256;
-
-struct Task {
-  int64_t seq_len, head, group, num_kv_heads, block_size;
-  float scale;
-};
-
-// One (request, kv head): the scores of its `group` query heads over the context, softmax,
-// then the weighted sum of values. kDim > 0 fixes head_dim at compile time.
-template <typename T, int kDim>
-void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
-                std::vector<float>& tile) {
-  const int64_t dim = kDim > 0 ? kDim : dim_arg;
-  const int64_t bs = a.block_size, group = a.group, len = a.seq_len;
-  const int64_t block_elems = bs * dim;
-  const int64_t num_blocks = (len + bs - 1) / bs;
-  alignas(64) float query[kMaxGroup][kMaxDim];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d)
-      query[g][d] = to_float(q[(a.head * group + g) * dim + d]) * a.scale;
-  scores.resize(group * len);
-  tile.resize(block_elems);
-  float* kf = tile.data();
-  auto block_ptr = [&](const T* cache, int64_t b) {
-    return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
-  };
-
-  float maxes[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) maxes[g] = -INFINITY;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + 1 < num_blocks) prefetch(block_ptr(k_cache, b + 1), block_elems * sizeof(T));
-    const int64_t start = b * bs, count = std::min(bs, len - start);
-    const T* keys = block_ptr(k_cache, b);
-    for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(keys[i]);
-    int64_t t = 0;
-    for (; t + 4 <= count; t += 4) {
-      const float* k0 = kf + t * dim;
-      for (int64_t g = 0; g < group; ++g) {
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-        const float* qg = query[g];
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t d = 0; d < dim; ++d) {
-          s0 += qg[d] * k0[d];
-          s1 += qg[d] * k0[dim + d];
-          s2 += qg[d] * k0[2 * dim + d];
-          s3 += qg[d] * k0[3 * dim + d];
-        }
-        float* sg = scores.data() + g * len + start + t;
-        sg[0] = s0, sg[1] = s1, sg[2] = s2, sg[3] = s3;
-        maxes[g] = std::max(maxes[g], std::max(std::max(s0, s1), std::max(s2, s3)));
-      }
-    }
-    for (; t < count; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        float s = 0.f;
-        const float* qg = query[g];
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < dim; ++d) s += qg[d] * kf[t * dim + d];
-        scores[g * len + start + t] = s;
-        maxes[g] = std::max(maxes[g], s);
-      }
-  }
-
-  float inv_sums[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float total = 0.f;
-    float* sg = scores.data() + g * len;
-    const float m = maxes[g];
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < len; ++j) {
-      sg[j] = exp_nonpositive(sg[j] - m);
-      total += sg[j];
-    }
-    inv_sums[g] = 1.f / total;
-  }
-
-  alignas(64) float acc[kMaxGroup][kMaxDim] = {};
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + 1 < num_blocks) prefetch(block_ptr(v_cache, b + 1), block_elems * sizeof(T));
-    const int64_t start = b * bs, count = std::min(bs, len - start);
-    const T* values = block_ptr(v_cache, b);
-    for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(values[i]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* pg = scores.data() + g * len + start;
-      float* ag = acc[g];
-      for (int64_t t = 0; t < count; ++t) {
-        const float p = pg[t];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) ag[d] += p * kf[t * dim + d];
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d)
-      store(out + (a.head * group + g) * dim + d, acc[g][d] * inv_sums[g]);
-}
-
-template <typename T, int kDim>
-void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
-            const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
-            const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-            int64_t block_size, int64_t dim, float scale, T* out, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores, tile;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n * num_kv_heads; ++item) {
-      const int64_t r = item / num_kv_heads;
-      const Task a{seq_lens[r], item % num_kv_heads, num_heads / num_kv_heads, num_kv_heads,
-                   block_size, scale};
-      decode_one<T, kDim>(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride,
-                          dim, a, out + rows[r] * num_heads * dim, scores, tile);
-    }
-  }
-}
-
-template <typename T>
-void dispatch(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
-              const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
-              const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-              int64_t block_size, int64_t dim, float scale, void* out, int threads) {
-  auto run = [&](auto kernel) {
-    kernel(static_cast<const T*>(q), q_stride, static_cast<const T*>(k_cache),
-           static_cast<const T*>(v_cache), tables, table_stride, seq_lens, rows, n, num_heads,
-           num_kv_heads, block_size, dim, scale, static_cast<T*>(out), threads);
-  };
-  if (dim == 64) run(decode<T, 64>);
-  else if (dim == 128) run(decode<T, 128>);
-  else run(decode<T, 0>);
-}
-
-}  // namespace
-
-extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
-                                 const void* k_cache, const void* v_cache, const int64_t* tables,
-                                 int64_t table_stride, const int64_t* seq_lens,
-                                 const int64_t* rows, int64_t n, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t block_size, int64_t dim,
-                                 float scale, void* out, int threads) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kMaxGroup ||
-      dim > kMaxDim)
-    return 1;
-  auto kernel = is_bf16 ? dispatch<uint16_t> : dispatch<float>;
-  kernel(q, q_stride, k_cache, v_cache, tables, table_stride, seq_lens, rows, n, num_heads,
-         num_kv_heads, block_size, dim, scale, out, threads);
-  return 0;
-}
-"""
-CPP_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-             "-std=c++17"]
-CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
-CPP_COMPILE_TIMEOUT_S = 120
-
-
 def cpp_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
         CPP_DECODE
-        and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and q.dtype == k_cache.dtype == v_cache.dtype
-        and k_cache.is_contiguous() and v_cache.is_contiguous()
-        and q.shape[1] % k_cache.shape[1] == 0
-        and q.shape[1] // k_cache.shape[1] <= CPP_MAX_GROUP
-        and q.shape[2] <= CPP_MAX_DIM
+        and kernel_supports(q, k_cache, v_cache)
         and load_cpp_decode() is not None
     )
-
-
-def cpp_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
-    scale: float, out: torch.Tensor,
-) -> None:
-    kernel = load_cpp_decode()
-    assert kernel is not None
-    if batch.max_block >= k_cache.shape[0]:  # the kernel reads blocks without bounds checks
-        raise IndexError(f"block {batch.max_block} is outside a cache of {k_cache.shape[0]}")
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        q = q.contiguous()
-    tables = batch.block_tables
-    status = kernel(
-        int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-        v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
-        batch.row_index.data_ptr(), batch.size, q.shape[1], k_cache.shape[1], k_cache.shape[2],
-        q.shape[2], scale, out.data_ptr(), torch.get_num_threads(),
-    )
-    if status != 0:
-        raise RuntimeError(f"paged decode kernel refused its arguments ({status})")
-
-
-@functools.cache
-def load_cpp_decode() -> ctypes._CFuncPtr | None:
-    """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
-    try:
-        library = ctypes.CDLL(str(compiled_library()))
-    except (OSError, subprocess.SubprocessError) as error:
-        logger.warning("C++ paged-decode kernel unavailable, using the torch path: %s", error)
-        return None
-    kernel = library.loom_paged_decode
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,
-                       i64, ctypes.c_float, ptr, ctypes.c_int]
-    kernel.restype = ctypes.c_int
-    return kernel
-
-
-def compiled_library() -> Path:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise OSError("no C++ compiler found")
-    # -march=native code must never be loaded on another CPU: the CPU is part of the key.
-    key = hashlib.sha256("\n".join(
-        [CPP_SOURCE, compiler, *CPP_FLAGS, cpu_signature(), torch.__version__]).encode())
-    cache_dir = Path(os.environ.get("LOOM_KERNEL_CACHE") or default_cache_dir() / "kernels")
-    library = cache_dir / f"paged_decode_{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
-        source = Path(build_dir) / "paged_decode.cpp"
-        source.write_text(CPP_SOURCE)
-        built = Path(build_dir) / library.name
-        result = subprocess.run([compiler, *CPP_FLAGS, "-o", str(built), str(source)],
-                                capture_output=True, text=True, timeout=CPP_COMPILE_TIMEOUT_S)
-        if result.returncode != 0:
-            raise OSError(f"compiling the kernel failed: {result.stderr[-2000:]}")
-        os.replace(built, library)  # atomic: concurrent builders never see half a file
-    return library
-
-
-def cpu_signature() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() + platform.machine()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
 
 
 def reference_attention(

@@ -11,10 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.launched import REPO_ROOT, free_port
-from tests.test_bench_serve import SMOLLM2_DIR, build_tiny_served_model
-
-pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(),
-                                reason="the default model (its tokenizer) is not cached")
+from tests.tiny_server import build_answer_model
 
 
 @pytest.fixture
@@ -30,7 +27,7 @@ def canned_url() -> Iterator[str]:
 
 
 def test_one_row_per_target(tmp_path: Path, canned_url: str) -> None:
-    model_dir = build_tiny_served_model(tmp_path)
+    model_dir = build_answer_model(tmp_path)
     table, report = tmp_path / "table.md", tmp_path / "runs.json"
     completed = subprocess.run(
         [sys.executable, "-m", "bench.compare", "--model", model_dir,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,13 +21,9 @@ from bench.serve import (
     arrival_offsets,
     run_benchmark,
 )
-from common.default_model import DEFAULT_MODEL_NAME, default_cache_dir
 from tests.canned_server import CannedSettings, running
+from tests.tiny_server import build_answer_model
 
-SMOLLM2_DIR = default_cache_dir() / DEFAULT_MODEL_NAME
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
-ANSWER_TOKEN = " the"
 DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 STATS = ("mean", "median", "p90", "p99", "max")
 SCALARS = ("completed", "failed", "duration_s", "request_throughput", "output_throughput",
@@ -36,41 +31,9 @@ SCALARS = ("completed", "failed", "duration_s", "request_throughput", "output_th
            "total_output_tokens_usage", "output_token_mismatches", "max_concurrency_seen",
            "goodput_requests", "goodput_request_throughput")
 
-pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(),
-                                reason="the default model (its tokenizer) is not cached")
-
-
-def build_tiny_served_model(path: Path) -> str:
-    """A tiny random Llama with SmolLM2's tokenizer whose greedy answer is ANSWER_TOKEN
-    repeated: attention and MLP outputs are zeroed, every embedding is the same vector and
-    only ANSWER_TOKEN's lm_head row sees it. Re-encoding such an answer gives back exactly
-    the generated tokens, so the tokenizer's count must equal the server's usage."""
-    import torch
-
-    from tests.model_fixtures import build_tiny_hf_model
-
-    tokenizer = BenchTokenizer.load(SMOLLM2_DIR)
-    (answer_id,) = tokenizer.encode(ANSWER_TOKEN)
-    model = build_tiny_hf_model(vocab_size=49152, max_position_embeddings=1024)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.fill_(1.0)
-        model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[answer_id] = 1.0
-    model_dir = path / "tiny-answer-model"
-    model.save_pretrained(model_dir)
-    for name in TOKENIZER_FILES:
-        if (SMOLLM2_DIR / name).is_file():
-            shutil.copy(SMOLLM2_DIR / name, model_dir / name)
-    return str(model_dir)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_served_model(tmp_path_factory.mktemp("model"))
+    return build_answer_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +79,9 @@ def test_cli_report_against_loom(loom: LoomServer, tiny_model: str, tmp_path: Pa
     assert [r["prompt_len"] for r in requests] == [r["usage_prompt_tokens"] for r in requests]
     assert result["goodput_requests"] == num_prompts
     assert result["max_concurrency_seen"] <= 3
+    assert result["step_time"]["count"] > 0  # Loom's /metrics step-time histogram was read
     assert sorted(p.name for p in plots.iterdir()) == [
-        "concurrency.png", "itl_cdf.png", "throughput.png", "ttft_cdf.png"]
+        "concurrency.png", "itl_cdf.png", "step_time.png", "throughput.png", "ttft_cdf.png"]
 
 
 @pytest.mark.parametrize("dataset", ["random", "shared-prefix"])

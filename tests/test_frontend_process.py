@@ -6,24 +6,15 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from bench.launched import REPO_ROOT, free_port
 from common.sockets import Endpoints
 from tests.fake_engine import FakeEngine, build_test_tokenizer, engine_info
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from frontend.stop_strings import StopStringMatcher
@@ -68,16 +65,12 @@ def test_incomplete_character_is_held_until_flush(tokenizer: Any) -> None:
     assert truncated.flush() == tokenizer.decode(emoji_ids[:2])
 
 
-REAL_MODEL_DIR = Path.home() / ".cache" / "loom" / "SmolLM2-135M-Instruct"
-
-
-@pytest.mark.skipif(
-    not (REAL_MODEL_DIR / "tokenizer.json").is_file(), reason="the default model is not cached"
-)
 def test_default_model_tokenizer_round_trip() -> None:
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(REAL_MODEL_DIR))
+    from common.default_model import resolve_model
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(resolve_model(None))
     token_ids = tokenizer.encode(MIXED_TEXT, add_special_tokens=False)
     deltas = stream(tokenizer, token_ids)
     assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
