@@ -7,6 +7,8 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -23,22 +25,36 @@ from frontend.errors import APIError, engine_unavailable, invalid_param, shuttin
 from frontend.generation import Delta, Generation
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
 from frontend.responses import ChatFormat, CompletionFormat, ResponseFormat
-from frontend.schemas import GenerationOptions, parse_chat_request, parse_completion_request
+from frontend.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationOptions,
+    parse_chat_request,
+    parse_completion_request,
+)
 from frontend.sse import EventStream
 from frontend.state import STATE, ServerState
 from frontend.stream_merge import merge
 
 logger = logging.getLogger("loom.frontend.api")
+Parsed = TypeVar("Parsed", CompletionRequest, ChatRequest)
+
+
+async def _read_request(request: web.Request, parse: Callable[[dict[str, Any], int], Parsed]
+                        ) -> tuple[ServerState, Parsed]:
+    """The body parsed and validated, once the engine is known ready and the model matches."""
+    state = request.app[STATE]
+    body = parse_json_object(await request.read())
+    _, info = state.ready_engine()
+    parsed = parse(body, info.vocab_size)
+    state.check_model(parsed.options.model)
+    return state, parsed
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    state = request.app[STATE]
-    body = parse_json_object(await request.read())
-    _, info = state.ready_engine()
-    parsed = parse_completion_request(body, info.vocab_size)
+    state, parsed = await _read_request(request, parse_completion_request)
     options = parsed.options
-    state.check_model(options.model)
     prompts = [
         await state.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         for prompt in parsed.prompts
@@ -65,12 +81,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    state = request.app[STATE]
-    body = parse_json_object(await request.read())
-    _, info = state.ready_engine()
-    parsed = parse_chat_request(body, info.vocab_size)
+    state, parsed = await _read_request(request, parse_chat_request)
     options = parsed.options
-    state.check_model(options.model)
     prompt_ids = await state.tokenizer.encode_chat(parsed.messages)
     response_format = ChatFormat(
         f"chatcmpl-{uuid.uuid4().hex}",
