@@ -7,6 +7,7 @@ ignored.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,47 +36,22 @@ class GenerationOptions:
     stream: bool = False
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Keyword arguments for common.sampling.SamplingParams: every field but max_tokens (known
+    # only per prompt, once its length is) and logprobs (above).
+    sampling_fields: dict[str, Any] = field(default_factory=dict)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.min_tokens > max_tokens:
+        min_tokens = self.sampling_fields.get("min_tokens", 0)
+        if min_tokens > max_tokens:
             raise invalid_param(
                 "min_tokens",
-                f"'min_tokens' ({self.min_tokens}) must not exceed max_tokens ({max_tokens}).",
+                f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens}).",
             )
         try:
-            return self._build_sampling_params(max_tokens)
+            return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs,
+                                  **copy.deepcopy(self.sampling_fields))
         except ValueError as exc:  # a check SamplingParams has and this module lacks
             raise APIError(f"Invalid sampling parameters: {exc}") from exc
-
-    def _build_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=list(self.stop_token_ids),
-            logit_bias=dict(self.logit_bias),
-            logprobs=self.logprobs,
-        )
 
 
 @dataclass(slots=True)
@@ -159,20 +135,24 @@ def _parse_options(
         stream=stream,
         include_usage=_parse_stream_options(reader.body.get("stream_options"), stream),
         stop=_parse_stop(reader.body.get("stop")),
-        temperature=reader.number("temperature", 1.0, minimum=0.0),
-        top_p=reader.number("top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
-        top_k=_parse_top_k(reader),
-        min_p=reader.number("min_p", 0.0, minimum=0.0, maximum=1.0),
-        repetition_penalty=reader.number(
-            "repetition_penalty", 1.0, minimum=0.0, exclusive_minimum=True
-        ),
-        presence_penalty=reader.number("presence_penalty", 0.0, minimum=-2.0, maximum=2.0),
-        frequency_penalty=reader.number("frequency_penalty", 0.0, minimum=-2.0, maximum=2.0),
-        seed=reader.integer("seed", None, minimum=SEED_MIN, maximum=SEED_MAX),
-        min_tokens=reader.integer("min_tokens", 0, minimum=0) or 0,
-        ignore_eos=reader.boolean("ignore_eos", False),
-        stop_token_ids=reader.token_id_list("stop_token_ids", vocab_size),
-        logit_bias=_parse_logit_bias(reader.body.get("logit_bias"), vocab_size),
+        sampling_fields={
+            "temperature": reader.number("temperature", 1.0, minimum=0.0),
+            "top_p": reader.number("top_p", 1.0, minimum=0.0, maximum=1.0,
+                                   exclusive_minimum=True),
+            "top_k": _parse_top_k(reader),
+            "min_p": reader.number("min_p", 0.0, minimum=0.0, maximum=1.0),
+            "repetition_penalty": reader.number("repetition_penalty", 1.0, minimum=0.0,
+                                                exclusive_minimum=True),
+            "presence_penalty": reader.number("presence_penalty", 0.0, minimum=-2.0,
+                                              maximum=2.0),
+            "frequency_penalty": reader.number("frequency_penalty", 0.0, minimum=-2.0,
+                                               maximum=2.0),
+            "seed": reader.integer("seed", None, minimum=SEED_MIN, maximum=SEED_MAX),
+            "min_tokens": reader.integer("min_tokens", 0, minimum=0) or 0,
+            "ignore_eos": reader.boolean("ignore_eos", False),
+            "stop_token_ids": reader.token_id_list("stop_token_ids", vocab_size),
+            "logit_bias": _parse_logit_bias(reader.body.get("logit_bias"), vocab_size),
+        },
     )
 
 
