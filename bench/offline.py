@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from common.config import EngineConfig
 from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore
+from engine.loader import read_hf_config
 
 MODES = {
     "continuous": {"batching": "continuous"},
@@ -81,7 +81,7 @@ def make_requests(mode: str, count: int, input_len: int, output_len: int, vocab:
 
 
 def run_mode(mode: str, base: EngineConfig, requests: list[AddRequest]) -> ModeResult:
-    core = EngineCore(EngineConfig(**{**_as_dict(base), **MODES[mode]}))
+    core = EngineCore(replace(base, **MODES[mode]))
     warmup = AddRequest("warmup", requests[0].prompt_token_ids,
                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 0.0)
     core.add_request(warmup)
@@ -109,10 +109,6 @@ def median_run(results: list[ModeResult]) -> ModeResult:
     """The run with the median output throughput."""
     ordered = sorted(results, key=lambda r: r.output_throughput)
     return ordered[(len(ordered) - 1) // 2]
-
-
-def _as_dict(config: EngineConfig) -> dict:
-    return {name: getattr(config, name) for name in config.__slots__}
 
 
 def print_table(results: list[ModeResult]) -> None:
@@ -149,8 +145,7 @@ def main() -> None:
     base = EngineConfig(model=resolve_model(args.model), dtype=args.dtype, device=args.device,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_prompts)
-    with open(os.path.join(base.model, "config.json")) as config_file:
-        vocab_size = json.load(config_file)["vocab_size"]
+    vocab_size = read_hf_config(Path(base.model))["vocab_size"]
     runs: dict[str, list[ModeResult]] = {mode: [] for mode in args.modes.split(",")}
     for repeat in range(args.repeats):  # round-robin, so drift on a shared machine hits all
         for mode, results in runs.items():

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 from common.config import EngineConfig
 from common.default_model import resolve_model
@@ -23,6 +23,7 @@ from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.block_manager import PrefixCacheStats
 from engine.core import EngineCore, EngineTotals
+from engine.loader import read_hf_config
 
 
 def make_prompts(count: int, prefix_len: int, question_len: int, vocab: int,
@@ -79,8 +80,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
-    with open(os.path.join(model_dir, "config.json")) as config_file:
-        vocab = json.load(config_file)["vocab_size"]
+    vocab = read_hf_config(Path(model_dir))["vocab_size"]
     prompts = make_prompts(args.num_prompts, args.prefix_len, args.question_len, vocab,
                            args.seed)
     results = []
