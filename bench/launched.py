@@ -24,6 +24,44 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            return [int(child) for child in children.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def command_line(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return cmdline.read().replace(b"\0", b" ").decode()
+
+
+def children_by_role(launch_pid: int) -> dict[str, int]:
+    """The `python -m engine` and `python -m frontend` children of a launch.py process."""
+    found: dict[str, int] = {}
+    for pid in child_pids(launch_pid):
+        try:
+            argv = command_line(pid).split()
+        except OSError:
+            continue  # it exited meanwhile
+        if argv[1:2] == ["-m"] and argv[2:3] in (["engine"], ["frontend"]):
+            found[argv[2]] = pid
+    return found
+
+
+def status_kib(pid: int, field_name: str) -> int | None:
+    """A kB field of /proc/PID/status (VmRSS, VmHWM, ...); None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(f"{field_name}:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 @dataclass
 class LoomServer:
     launch_args: list[str] = field(default_factory=list)
@@ -81,6 +119,13 @@ class LoomServer:
                 self.process.kill()  # its children die with it (PR_SET_PDEATHSIG)
                 self.process.wait()
         return self.process.returncode
+
+    def child(self, role: str) -> int:
+        """The PID of the engine or frontend process this launch.py started."""
+        try:
+            return children_by_role(self.process.pid)[role]
+        except KeyError:
+            raise LookupError(f"no {role} child of launch.py") from None
 
     def __enter__(self) -> LoomServer:
         return self.start() if self.process is None else self

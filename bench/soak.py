@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.launched import children_by_role, status_kib
 from bench.metrics import parse_prometheus
 
 CHAT = "/v1/chat/completions"
@@ -186,14 +187,8 @@ async def client_loop(worker: int, config: SoakConfig, model: str, deadline: flo
 
 
 def rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    kib = status_kib(pid, "VmRSS")
+    return None if kib is None else kib * 1024
 
 
 @dataclass(slots=True)
@@ -329,22 +324,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def child_pids(pid: int) -> dict[str, int]:
-    """The engine and frontend children of a launch.py process."""
-    found: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as children:
-            for child in children.read().split():
-                with open(f"/proc/{child}/cmdline", "rb") as cmdline:
-                    argv = cmdline.read().split(b"\0")
-                for name in ("engine", "frontend"):
-                    if name.encode() in argv and b"-m" in argv:
-                        found[name] = int(child)
-    except OSError:
-        pass
-    return found
-
-
 def build_tiny_model() -> str:
     from tests.tiny_server import build_tiny_served_model  # the repository's test toolkit
 
@@ -378,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_model() if args.model == "tiny" else args.model
         server = LoomServer(["--model", model, "--dtype", "float32", *args.launch_arg]).start()
         config.url = server.base_url
-        pids = child_pids(server.process.pid)
+        pids = children_by_role(server.process.pid)
     else:
         config.url = args.url.rstrip("/").removesuffix("/v1")
         names = ("engine", "frontend")

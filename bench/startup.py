@@ -13,38 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from bench.launched import REPO_ROOT, children_by_role, free_port, status_kib
 
 
 def peak_rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
-
-
-def children(pid: int) -> dict[str, int]:
-    found = {}
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        for name in ("engine", "frontend"):
-            if f"-m {name} " in cmdline:
-                found[name] = int(child)
-    return found
+    return (status_kib(pid, "VmHWM") or 0) / 1024
 
 
 def decode_rate(port: int, output_len: int) -> tuple[float, float]:
@@ -90,7 +70,7 @@ def main() -> None:
     try:
         decode_rate(port, 8)  # warm-up
         rate, ttft = decode_rate(port, args.output_len)
-        rss = {name: peak_rss_mib(pid) for name, pid in children(process.pid).items()}
+        rss = {name: peak_rss_mib(pid) for name, pid in children_by_role(process.pid).items()}
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)

@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from tests.launched_server import LaunchedServer, child_pids, process_exists
+from bench.launched import child_pids
+from tests.launched_server import LaunchedServer, process_exists
 
 pytestmark = pytest.mark.e2e
 

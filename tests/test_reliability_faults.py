@@ -22,8 +22,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from bench.launched import child_pids, command_line
 from bench.soak import StreamOutcome, read_metrics, stream_one
-from tests.launched_server import LaunchedServer, child_pids, command_line, process_exists
+from tests.launched_server import LaunchedServer, process_exists
 from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model, tiny_server
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from bench.soak import SoakConfig, child_pids, print_report, run_soak
+from bench.launched import children_by_role
+from bench.soak import SoakConfig, print_report, run_soak
 from tests.tiny_server import shared_tiny_model, tiny_server
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +26,7 @@ async def test_twenty_second_soak_loses_nothing_and_leaks_nothing(
     try:
         config = SoakConfig(server.base_url, clients=16, duration_s=20.0, max_tokens=64,
                             max_prompt_words=200)
-        report = await run_soak(config, child_pids(server.process.pid))
+        report = await run_soak(config, children_by_role(server.process.pid))
     finally:
         assert server.stop() == 0, server.log
     print_report(report)
