@@ -17,7 +17,7 @@ import msgpack
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
@@ -151,6 +151,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # per new token: [chosen token logprob, [[top token id, logprob], ...]]
     logprobs: list[list[Any]] | None = None
+    # On a request's first token only: seconds from reaching the engine to first being scheduled.
+    queue_time_s: float | None = None
 
     def to_wire(self) -> list[Any]:
         return [
@@ -159,18 +161,22 @@ class RequestOutput:
             self.finish_reason,
             self.num_cached_tokens,
             self.logprobs,
+            self.queue_time_s,
         ]
 
     @classmethod
     def from_wire(cls, wire) -> RequestOutput:
-        if not isinstance(wire, list) or len(wire) != 5:
-            raise FrameError("request output must be a 5-element array")
-        request_id, tokens, finish_reason, num_cached, logprobs = wire
+        if not isinstance(wire, list) or len(wire) != 6:
+            raise FrameError("request output must be a 6-element array")
+        request_id, tokens, finish_reason, num_cached, logprobs, queue_time = wire
         _expect(request_id, str, "request_id")
         _expect(finish_reason, str | None, "finish_reason")
         _expect(num_cached, int, "num_cached_tokens")
         _expect(logprobs, list | None, "logprobs")
-        return cls(request_id, unpack_token_ids(tokens), finish_reason, num_cached, logprobs)
+        if queue_time is not None:
+            _expect(queue_time, float | int, "queue_time_s")
+        return cls(request_id, unpack_token_ids(tokens), finish_reason, num_cached, logprobs,
+                   None if queue_time is None else float(queue_time))
 
 
 @dataclass(slots=True)

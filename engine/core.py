@@ -135,7 +135,8 @@ class EngineCore:
             self.sampler.forget(request.request_id)
         outputs = [
             RequestOutput(r.request_id, [token_id], r.finish_reason, r.num_cached_tokens,
-                          None if token_logprobs is None else [token_logprobs])
+                          None if token_logprobs is None else [token_logprobs],
+                          r.queue_time_s if r.num_output_tokens == 1 else None)
             for r, token_id, token_logprobs in zip(requests, token_ids, logprobs, strict=True)
         ]
         self._record(scheduled.trace, num_prompt_tokens, len(token_ids))

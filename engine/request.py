@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -32,6 +33,8 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    queued_at: float = field(default_factory=time.monotonic)  # reached the engine
+    queue_time_s: float | None = None  # until first scheduled; preemption does not reset it
     output_token_counts: Counter[int] = field(default_factory=Counter)  # for penalties
     _prompt_token_set: frozenset[int] | None = None
 

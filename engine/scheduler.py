@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -240,6 +241,7 @@ class Scheduler:
         self.block_manager.take_prefix(request, prefix)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
+            request.queue_time_s = time.monotonic() - request.queued_at
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

@@ -269,6 +269,11 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    @property
+    def num_pending(self) -> int:
+        """Items routed to this stream and not read yet."""
+        return self._queue.qsize() + len(self._stash)
+
     async def __anext__(self) -> RequestOutput:
         if self.finished or self._failed:
             raise StopAsyncIteration
@@ -315,4 +320,5 @@ def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         second.finish_reason,
         max(first.num_cached_tokens, second.num_cached_tokens),
         logprobs,
+        first.queue_time_s if first.queue_time_s is not None else second.queue_time_s,
     )

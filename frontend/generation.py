@@ -109,7 +109,7 @@ class Generation:
 
     async def _deltas(self, outputs: RequestStream) -> AsyncIterator[Delta]:
         async for output in outputs:
-            self._timer.tokens(len(output.new_token_ids), self._engine.last_stats.step_time_s)
+            self._timer.tokens(len(output.new_token_ids), output.queue_time_s)
             self.usage.completion_tokens += len(output.new_token_ids)
             self.usage.cached_tokens = output.num_cached_tokens
             token_ids = output.new_token_ids

@@ -92,7 +92,7 @@ class LoomMetrics:
         )
         self.request_queue_time = histogram(
             "request_queue_time_seconds",
-            "Arrival to first scheduled (estimated: first token minus its step's time).",
+            "Seconds from reaching the engine to first being scheduled.",
             QUEUE_BUCKETS,
         )
         self.step_time = histogram("step_time_seconds", "Engine step duration.", STEP_BUCKETS)

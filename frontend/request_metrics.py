@@ -17,17 +17,15 @@ class RequestTimer:
     last_token_at: float | None = None
     finished: bool = False
 
-    def tokens(self, count: int, step_time_s: float) -> None:
-        """`count` tokens arrived together; the step that made them took step_time_s."""
+    def tokens(self, count: int, queue_time_s: float | None) -> None:
+        """`count` tokens arrived together; the engine reports queue_time_s with the first."""
         if count <= 0:
             return
         now = time.monotonic()
         if self.last_token_at is None:
-            ttft = now - self.arrival
-            self.metrics.time_to_first_token.observe(ttft)
-            # The first token's step holds (the end of) the prefill: before it, the
-            # request waited.
-            self.metrics.request_queue_time.observe(max(ttft - step_time_s, 0.0))
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+            if queue_time_s is not None:
+                self.metrics.request_queue_time.observe(queue_time_s)
             count -= 1
         else:
             # Tokens that queued up behind a busy consumer share the gap evenly.

@@ -107,6 +107,7 @@ class FakeEngine:
     endpoints: Endpoints
     eos_token_ids: list[int]
     step_interval_s: float = 0.001
+    queue_time_s: float = 0.25  # reported with each request's first token
     # The tokens to answer a request with, cycled when shorter than max_tokens.
     reply: Callable[[AddRequest], list[int]] = lambda request: [5, 6, 7]
     refuse: Callable[[AddRequest], str | None] = lambda request: None
@@ -194,7 +195,9 @@ class FakeEngine:
                 del self._running[request_id]
             num_top = running.request.sampling.logprobs
             logprobs = None if num_top is None else [self.logprobs(token, num_top)]
-            outputs.append(RequestOutput(request_id, [token], finish, logprobs=logprobs))
+            queue_time = self.queue_time_s if running.generated == 1 else None
+            outputs.append(RequestOutput(request_id, [token], finish, logprobs=logprobs,
+                                         queue_time_s=queue_time))
         self.step += 1
         stats = StepStats(num_running=len(self._running), num_generation_tokens=len(outputs))
         await self.send(StepOutputs(self.step, outputs, stats))

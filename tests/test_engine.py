@@ -150,3 +150,22 @@ def test_steps_of_prefill_chunks_only_sample_nothing(tiny_model_dir):
     assert core.traces[3].scheduled["alone"] == 2
     assert len(tokens) == 3
     assert_no_leaks(core)
+
+
+def test_queue_time_is_reported_once_and_covers_the_steps_spent_waiting(tiny_model_dir):
+    core = make_core(tiny_model_dir, max_num_seqs=1)
+    core.add_request(greedy_request(prompt_of(4), max_tokens=6, request_id="first"))
+    core.add_request(greedy_request(prompt_of(5, 1), max_tokens=3, request_id="second"))
+    queue_times: dict[str, list[float | None]] = {"first": [], "second": []}
+    waited_s = 0.0  # engine time of the steps that ran while "second" waited for a seat
+    while core.has_work:
+        step = core.step()
+        for output in step.outputs:
+            queue_times[output.request_id].append(output.queue_time_s)
+        if "second" in core.traces[-1].waited:
+            waited_s += step.stats.step_time_s
+    for request_id, times in queue_times.items():
+        assert times[0] is not None and times[0] >= 0.0, request_id
+        assert times[1:] == [None] * (len(times) - 1), request_id
+    assert waited_s > 0.0
+    assert queue_times["second"][0] >= waited_s > queue_times["first"][0]

@@ -86,6 +86,9 @@ async def test_requests_are_timed_and_counted_per_choice(harness: FrontendHarnes
     assert values['loom:request_success_total{finished_reason="stop"}'] == choices
     assert values["loom:time_to_first_token_seconds_count"] == choices
     assert values["loom:request_queue_time_seconds_count"] == choices
+    # The engine's own figure, once per choice.
+    assert values["loom:request_queue_time_seconds_sum"] == pytest.approx(
+        choices * harness.engine.queue_time_s)
     assert values["loom:e2e_request_latency_seconds_count"] == choices
     # Every token after each choice's first one is an inter-token gap.
     assert values["loom:inter_token_latency_seconds_count"] == choices * (len(script) - 1)
@@ -101,9 +104,11 @@ async def test_a_client_that_leaves_counts_as_abort(harness: FrontendHarness) ->
     await response.content.readuntil(b"\n\n")
     response.close()
     await harness.engine.wait_for(lambda: bool(harness.engine.aborted))
-    await asyncio.sleep(0.05)
-    values = await scrape(harness)
-    assert values['loom:request_success_total{finished_reason="abort"}'] == 1
+    abort_count = 'loom:request_success_total{finished_reason="abort"}'
+    async with asyncio.timeout(5):  # the handler counts it as it unwinds
+        while (values := await scrape(harness)).get(abort_count, 0) == 0:
+            pass
+    assert values[abort_count] == 1
 
 
 async def test_bad_frames_from_the_engine_are_counted(harness: FrontendHarness) -> None:
