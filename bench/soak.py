@@ -81,9 +81,13 @@ async def stream_one(
     body: dict[str, Any],
     cut_after_chunks: int | None = None,
     headers: dict[str, str] | None = None,
+    outcome: StreamOutcome | None = None,
 ) -> StreamOutcome:
-    """POST a streaming request and read it to the end, or hang up after that many chunks."""
-    outcome = StreamOutcome(started=time.monotonic())
+    """POST a streaming request and read it to the end, or hang up after that many chunks.
+
+    Pass `outcome` to watch it fill while the stream runs."""
+    outcome = outcome or StreamOutcome()
+    outcome.started = time.monotonic()
     try:
         async with session.post(url, json=body, headers=headers) as response:
             outcome.status = response.status

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -351,7 +352,10 @@ class SlowTokenizer:
         self._inner = inner
         self._delay_s = delay_s
 
+        self.started = threading.Event()
+
     def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        self.started.set()
         time.sleep(self._delay_s)
         return self._inner.encode(*args, **kwargs)
 
@@ -362,9 +366,9 @@ class SlowTokenizer:
 async def test_tokenization_does_not_block_the_event_loop(harness: FrontendHarness) -> None:
     harness.reply_with("Hi")
     service = harness.app[STATE].tokenizer
-    service.tokenizer = SlowTokenizer(service.tokenizer, delay_s=1.0)
+    service.tokenizer = slow_tokenizer = SlowTokenizer(service.tokenizer, delay_s=1.0)
     slow = asyncio.create_task(post(harness, "/v1/completions", {"prompt": "x" * 100_000}))
-    await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(slow_tokenizer.started.wait, 5.0)
     started = time.monotonic()
     assert (await harness.client.get("/health")).status == 200
     assert time.monotonic() - started < 0.5

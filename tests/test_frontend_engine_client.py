@@ -66,8 +66,7 @@ async def test_concurrent_requests_get_their_own_tokens(
 async def test_queued_outputs_are_merged(engine: FakeEngine, client: EngineClient) -> None:
     engine.reply = lambda add: [7, 8, 9]
     async with client.add(request("r1", max_tokens=6)) as outputs:
-        await engine.wait_for(lambda: engine.num_running == 0)
-        await asyncio.sleep(0.05)  # let the reader route every frame
+        await engine.wait_for(lambda: outputs.num_pending == 6)  # one output per step
         merged = [output async for output in outputs]
     assert len(merged) == 1
     assert merged[0].new_token_ids == [7, 8, 9, 7, 8, 9]
@@ -79,8 +78,7 @@ async def test_merged_outputs_keep_their_logprobs(
 ) -> None:
     engine.reply = lambda add: [7, 8]
     async with client.add(request("r1", max_tokens=1000, logprobs=1)) as outputs:
-        await engine.wait_for(lambda: engine.step >= 3)
-        await asyncio.sleep(0.05)
+        await engine.wait_for(lambda: outputs.num_pending >= 3)
         client.abort(["r1"])  # its marker output carries no tokens and no logprobs
         merged = [output async for output in outputs]
     assert len(merged) == 1 and merged[0].finish_reason == "abort"

@@ -90,11 +90,15 @@ async def test_engine_killed_under_load(tmp_path_factory: pytest.TempPathFactory
     try:
         url = server.base_url + "/v1/completions"
         async with session() as http:
+            watched = [StreamOutcome() for _ in range(6)]
             streams: list[Awaitable[StreamOutcome]] = [
-                asyncio.ensure_future(stream_one(http, url, body(2000))) for _ in range(6)]
+                asyncio.ensure_future(stream_one(http, url, body(2000), outcome=outcome))
+                for outcome in watched]
             plains = [asyncio.ensure_future(post_plain(http, url, 2000)) for _ in range(2)]
             await wait_running(http, server, 8)
-            await asyncio.sleep(0.3)
+            async with asyncio.timeout(30):  # every stream has tokens in hand before the kill
+                while not all(outcome.chunks for outcome in watched):
+                    await asyncio.sleep(0.01)
             engine = server.child("engine")
             killed_at = time.monotonic()
             os.kill(engine, signal.SIGKILL)

@@ -64,7 +64,7 @@ async def test_drain_refuses_new_requests_and_lets_open_ones_finish() -> None:
         running = asyncio.create_task(stream(client, 30))  # ~0.3 s of steps
         await engine.wait_for(lambda: engine.num_running == 1)
         draining = asyncio.create_task(drain(client.app, timeout_s=5.0))
-        await asyncio.sleep(0.02)
+        await engine.wait_for(lambda: client.app[STATE].drain.draining)
         refused = await client.post("/v1/completions", json={"prompt": "Hi"})
         assert refused.status == 503
         assert (await refused.json())["error"]["code"] == "shutting_down"
