@@ -1,7 +1,7 @@
 """Offline engine benchmark: the engine in-process (no HTTP), several batching modes side by side.
 
     python -m bench.offline [--model DIR] [--num-prompts 64] [--input-len 100]
-                            [--output-len 128] [--dtype bfloat16] [--modes continuous,static,seqs1]
+                            [--output-len 128] [--dtype auto] [--modes continuous,static,seqs1]
 
 Each mode runs the same requests (random prompt tokens around --input-len, --output-len
 tokens forced with ignore_eos) on a fresh engine and reports output tok/s, total tok/s,
@@ -25,8 +25,8 @@ from common.config import EngineConfig
 from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
-from engine.core import EngineCore
-from engine.loader import read_hf_config
+from engine.core import EngineCore, choose_device
+from engine.loader import choose_dtype, read_hf_config
 
 MODES = {
     "continuous": {"batching": "continuous"},
@@ -130,7 +130,7 @@ def print_table(results: list[ModeResult]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.offline")
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what `launch.py` would pick")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--single-prompts", type=int, default=4)
@@ -157,7 +157,8 @@ def main() -> None:
                   f"output tok/s (median step "
                   f"{statistics.median(result.step_times_s) * 1000:.1f} ms)", flush=True)
             results.append(result)
-    print(f"\nmodel {base.model}, dtype {args.dtype}, {args.num_prompts} prompts of "
+    dtype = str(choose_dtype(args.dtype, choose_device(args.device))).removeprefix("torch.")
+    print(f"\nmodel {base.model}, dtype {dtype}, {args.num_prompts} prompts of "
           f"~{args.input_len} tokens, {args.output_len} output tokens forced, "
           f"median of {args.repeats} round-robin runs\n")
     print_table([median_run(results) for results in runs.values()])
