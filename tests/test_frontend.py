@@ -351,8 +351,7 @@ class SlowTokenizer:
     def __init__(self, inner: Any, delay_s: float) -> None:
         self._inner = inner
         self._delay_s = delay_s
-
-        self.started = threading.Event()
+        self.started = threading.Event()  # set once encoding has begun
 
     def encode(self, *args: Any, **kwargs: Any) -> list[int]:
         self.started.set()
