@@ -47,8 +47,11 @@ class EngineCore:
         self.model = load_model(config.model, self.dtype, self.device)
         model_config = self.model.config
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        limit = model_config.max_exact_len
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        if limit < model_config.max_position_embeddings:
+            logger.warning("sliding-window attention is not implemented: max model len is "
+                           "capped at the window, %d tokens", limit)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size,

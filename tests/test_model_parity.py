@@ -68,7 +68,8 @@ TINY_CASES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
-    "mistral": ("mistral", {}),  # sliding_window 4096 > prompt: ignoring it is exact here
+    "mistral": ("mistral", {}),  # sliding_window 4096 > prompt: full attention is exact
+    "mistral-window-full": ("mistral", {"sliding_window": 20}),  # the 20-token prompt fills it
 }
 
 
@@ -178,6 +179,21 @@ def test_model_config_variants() -> None:
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
     assert llama.qkv_bias and llama.o_bias and llama.num_key_value_heads == 4
     assert llama.head_dim == 32 and llama.eos_token_ids == (2,) and llama.rope.theta == 5e5
+    assert llama.sliding_window is None and llama.max_exact_len == 2048
+
+
+@pytest.mark.parametrize(("overrides", "window", "exact_len"), [
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096, 4096),
+    ({"model_type": "mistral", "sliding_window": None}, None, 32768),
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, None, 32768),
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, 4096, 4096),
+])
+def test_sliding_window_bounds_the_exact_length(overrides, window, exact_len) -> None:
+    config = ModelConfig.from_hf({"hidden_size": 64, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4,
+                                  "vocab_size": 10, "max_position_embeddings": 32768,
+                                  **overrides})
+    assert config.sliding_window == window and config.max_exact_len == exact_len
 
 
 def test_choose_dtype(tmp_path: Path) -> None:

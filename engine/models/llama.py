@@ -8,9 +8,10 @@ Load-time layout (the loader maps Hugging Face names onto it):
   q/k/v projections are one `qkv_proj`, gate/up projections one `gate_up_proj`;
   rotary cos/sin are a table over all positions, indexed per token.
 
-Mistral checkpoints load through the same class; their `sliding_window` is ignored, so
-attention is full-context (exact for prompts shorter than the window, 4096+ for the
-published Mistral models, and for Mistral v0.2+ which sets it to null).
+Mistral checkpoints load through the same class. Sliding-window attention is not
+implemented: full attention equals it while a sequence fits in the window, so a model with
+a window (Mistral v0.1: 4096; Mistral v0.2+ sets none) serves at most that many tokens
+(`ModelConfig.max_exact_len`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class ModelConfig:
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    sliding_window: int | None = None  # the attention window transformers applies, if any
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
@@ -115,7 +117,15 @@ class ModelConfig:
             mlp_bias=bool(config.get("mlp_bias", False)),
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
             model_type=model_type,
+            sliding_window=_sliding_window(config),
         )
+
+    @property
+    def max_exact_len(self) -> int:
+        """The longest sequence this implementation computes as transformers does."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def max_rope_positions(self) -> int:
@@ -123,6 +133,14 @@ class ModelConfig:
         if self.rope.rope_type == "dynamic":
             return int(self.max_position_embeddings * max(self.rope.factor, 1.0))
         return self.max_position_embeddings
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """Mistral applies `sliding_window` whenever it is set; Qwen2 only with use_sliding_window."""
+    window = config.get("sliding_window")
+    if not window or (config.get("model_type") == "qwen2" and not config.get("use_sliding_window")):
+        return None
+    return int(window)
 
 
 def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
