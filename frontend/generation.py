@@ -66,7 +66,8 @@ class Generation:
         arrival: float | None = None,  # time.monotonic() of the API request
     ) -> None:
         self._engine = engine
-        self._timer = RequestTimer(engine.metrics, arrival or time.monotonic())
+        self._timer = RequestTimer(engine.metrics, len(request.prompt_token_ids),
+                                   arrival or time.monotonic())
         self._request = request
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop_strings = StopStringMatcher(stop)

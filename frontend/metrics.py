@@ -24,6 +24,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
                600.0, 1800.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                  300.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5,
                 1.0, 2.5)
 # fmt: on
@@ -94,6 +96,15 @@ class LoomMetrics:
             "request_queue_time_seconds",
             "Seconds from reaching the engine to first being scheduled.",
             QUEUE_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to finish.", E2E_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS
         )
         self.step_time = histogram("step_time_seconds", "Engine step duration.", STEP_BUCKETS)
 

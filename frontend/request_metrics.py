@@ -13,8 +13,11 @@ ERROR = "error"  # finished_reason label of a request the engine or the server f
 @dataclass(slots=True)
 class RequestTimer:
     metrics: LoomMetrics
+    num_prompt_tokens: int
     arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
     last_token_at: float | None = None
+    num_generated: int = 0
     finished: bool = False
 
     def tokens(self, count: int, queue_time_s: float | None) -> None:
@@ -22,7 +25,9 @@ class RequestTimer:
         if count <= 0:
             return
         now = time.monotonic()
+        self.num_generated += count
         if self.last_token_at is None:
+            self.first_token_at = now
             self.metrics.time_to_first_token.observe(now - self.arrival)
             if queue_time_s is not None:
                 self.metrics.request_queue_time.observe(queue_time_s)
@@ -39,5 +44,11 @@ class RequestTimer:
             return
         self.finished = True
         self.metrics.request_success.labels(finished_reason=reason).inc()
-        if reason != ERROR:
-            self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
+        if reason == ERROR:
+            return
+        now = time.monotonic()
+        self.metrics.e2e_request_latency.observe(now - self.arrival)
+        if self.first_token_at is not None:
+            self.metrics.request_decode_time.observe(now - self.first_token_at)
+        self.metrics.request_prompt_tokens.observe(self.num_prompt_tokens)
+        self.metrics.request_generation_tokens.observe(self.num_generated)

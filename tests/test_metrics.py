@@ -19,6 +19,8 @@ EXPECTED_NAMES = [
     "loom:frontend_bad_frames_total", "loom:time_to_first_token_seconds_count",
     "loom:inter_token_latency_seconds_count", "loom:e2e_request_latency_seconds_count",
     "loom:request_queue_time_seconds_count", "loom:step_time_seconds_count",
+    "loom:request_decode_time_seconds_count", "loom:request_prompt_tokens_count",
+    "loom:request_generation_tokens_count",
 ]
 
 
@@ -93,6 +95,15 @@ async def test_requests_are_timed_and_counted_per_choice(harness: FrontendHarnes
     # Every token after each choice's first one is an inter-token gap.
     assert values["loom:inter_token_latency_seconds_count"] == choices * (len(script) - 1)
     assert values["loom:generation_tokens_total"] == choices * len(script)
+    assert values["loom:request_generation_tokens_sum"] == choices * len(script)
+    prompt_tokens = [len(add.prompt_token_ids) for add in harness.engine.adds]
+    assert len(prompt_tokens) == choices
+    assert values["loom:request_prompt_tokens_count"] == choices
+    assert values["loom:request_prompt_tokens_sum"] == sum(prompt_tokens)
+    assert values["loom:request_decode_time_seconds_count"] == choices
+    decode_s, e2e_s = (values[f"loom:{name}_seconds_sum"]
+                       for name in ("request_decode_time", "e2e_request_latency"))
+    assert 0 < decode_s < e2e_s
     assert values["loom:step_time_seconds_count"] == 0  # the fake engine times no steps
 
 
