@@ -120,6 +120,7 @@ class Ready:
     block_size: int
     eos_token_ids: list[int]
     vocab_size: int
+    priority_scheduling: bool = False  # requests' priorities order the waiting queue
     protocol_version: int = PROTOCOL_VERSION
 
     def fields(self) -> list[Any]:
@@ -130,17 +131,21 @@ class Ready:
             self.block_size,
             self.eos_token_ids,
             self.vocab_size,
+            self.priority_scheduling,
             self.protocol_version,
         ]
 
     @classmethod
-    def from_fields(cls, model_name, max_model_len, num_kv_blocks, block_size, eos, vocab, ver):
+    def from_fields(cls, model_name, max_model_len, num_kv_blocks, block_size, eos, vocab,
+                    priority_scheduling, ver) -> Ready:
         _expect(model_name, str, "model_name")
         for name, value in [("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),
                             ("block_size", block_size), ("vocab_size", vocab), ("version", ver)]:
             _expect(value, int, name)
         _expect(eos, list, "eos_token_ids")
-        return cls(model_name, max_model_len, num_kv_blocks, block_size, eos, vocab, ver)
+        _expect(priority_scheduling, bool, "priority_scheduling")
+        return cls(model_name, max_model_len, num_kv_blocks, block_size, eos, vocab,
+                   priority_scheduling, ver)
 
 
 @dataclass(slots=True)

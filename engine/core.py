@@ -100,6 +100,7 @@ class EngineCore:
             block_size=self.config.block_size,
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=self.model.config.vocab_size,
+            priority_scheduling=self.config.scheduling_policy == "priority",
         )
 
     # --- requests ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -102,15 +103,7 @@ def parse_engine_info(text: str | None) -> Ready | None:
         fields = json.loads(text)
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
-        return Ready.from_fields(
-            fields["model_name"],
-            fields["max_model_len"],
-            fields["num_kv_blocks"],
-            fields["block_size"],
-            fields["eos_token_ids"],
-            fields["vocab_size"],
-            fields["protocol_version"],
-        )
+        return Ready.from_fields(*(fields[field.name] for field in dataclasses.fields(Ready)))
     except (ValueError, KeyError, FrameError) as exc:
         raise SystemExit(f"--engine-info: invalid engine info ({exc!r})") from exc
 

@@ -28,6 +28,7 @@ def choice_requests(
     sampling: list[SamplingParams],  # per prompt
     n: int,
     arrival_time: float,
+    priority: int = 0,
 ) -> list[AddRequest]:
     """Engine requests in choice-index order. A lone choice keeps the API request's id."""
     single = len(prompts) * n == 1
@@ -44,6 +45,7 @@ def choice_requests(
                     prompt_ids,
                     sample_params,
                     arrival_time,
+                    priority,
                 )
             )
     return requests

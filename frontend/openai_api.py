@@ -105,6 +105,9 @@ async def _generate(
 ) -> web.StreamResponse:
     engine, info = state.ready_engine()
     prompt_param = "messages" if isinstance(response_format, ChatFormat) else "prompt"
+    if options.priority != 0 and not info.priority_scheduling:
+        raise invalid_param("priority", "Request priorities need a server started with "
+                            "--scheduling-policy priority.")
     limit = ContextLimit.of(info)
     sampling = []
     for prompt_ids in prompts:
@@ -113,7 +116,7 @@ async def _generate(
         max_tokens = limit.max_tokens_for(len(prompt_ids), options.max_tokens, prompt_param)
         sampling.append(options.sampling_params(max_tokens))
     engine_requests = choice_requests(
-        response_format.request_id, prompts, sampling, options.n, time.time()
+        response_format.request_id, prompts, sampling, options.n, time.time(), options.priority
     )
     generations = [
         Generation(engine, state.tokenizer.tokenizer, engine_request, options.stop,

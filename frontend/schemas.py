@@ -18,6 +18,7 @@ from frontend.prompt_input import Prompt, parse_prompts
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # what the wire's int64 carries
 MAX_N = 128
 MAX_CHOICES = 1024  # prompts x n in one request
 MAX_COMPLETION_LOGPROBS = 5
@@ -36,6 +37,7 @@ class GenerationOptions:
     stream: bool = False
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
+    priority: int = 0  # lower runs first, under --scheduling-policy priority
     # Keyword arguments for common.sampling.SamplingParams: every field but max_tokens (known
     # only per prompt, once its length is) and logprobs (above).
     sampling_fields: dict[str, Any] = field(default_factory=dict)
@@ -135,6 +137,7 @@ def _parse_options(
         stream=stream,
         include_usage=_parse_stream_options(reader.body.get("stream_options"), stream),
         stop=_parse_stop(reader.body.get("stop")),
+        priority=reader.integer("priority", 0, minimum=PRIORITY_MIN, maximum=PRIORITY_MAX) or 0,
         sampling_fields={
             "temperature": reader.number("temperature", 1.0, minimum=0.0),
             "top_p": reader.number("top_p", 1.0, minimum=0.0, maximum=1.0,

@@ -44,6 +44,9 @@ BAD_REQUESTS: list[tuple[str, tuple[str, dict[str, Any]]]] = [
     ("frequency_penalty", chat(frequency_penalty=-3)),
     ("min_tokens", completion(min_tokens=-1)),
     ("min_tokens", completion(min_tokens=10, max_tokens=5)),
+    ("priority", completion(priority=1.5)),
+    ("priority", chat(priority=2**63)),
+    ("priority", chat(priority=-1)),  # the fake engine schedules FCFS: priorities are refused
     ("ignore_eos", completion(ignore_eos="yes")),
     ("stop", completion(stop=5)),
     ("stop", completion(stop=["ok", 3])),
@@ -199,6 +202,18 @@ async def test_accepted_variants(harness: FrontendHarness) -> None:
     assert harness.engine.adds[1].prompt_token_ids == [5, 6]
     assert harness.engine.adds[2].sampling.max_tokens == 5
     assert harness.engine.adds[4].sampling.max_tokens == 4
+
+
+async def test_priority_reaches_the_engine_when_it_schedules_by_priority(tokenizer: Any) -> None:
+    async with FrontendHarness(tokenizer) as harness:
+        harness.reply_with("Hi")
+        settings = harness.app[STATE].settings
+        assert settings.engine_info is not None
+        settings.engine_info = replace(settings.engine_info, priority_scheduling=True)
+        for path, body in [completion(priority=-7, n=2), chat(priority=2**63 - 1), chat()]:
+            response = await harness.client.post(path, json=body)
+            assert response.status == 200, await response.text()
+        assert [add.priority for add in harness.engine.adds] == [-7, -7, 2**63 - 1, 0]
 
 
 async def test_kv_cache_smaller_than_the_context_caps_requests(tokenizer: Any) -> None:
