@@ -18,6 +18,7 @@ from frontend.errors import INVALID_REQUEST, APIError, internal_error
 from frontend.openai_api import create_chat_completion, create_completion
 from frontend.state import STATE, FrontendSettings, ServerState
 from frontend.tokenization import TokenizerService
+from frontend.tokenize_api import detokenize, tokenize
 
 logger = logging.getLogger("loom.frontend")
 
@@ -38,6 +39,8 @@ def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

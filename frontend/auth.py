@@ -1,4 +1,5 @@
-"""API keys: every /v1 route needs `Authorization: Bearer <key>` when a key is set.
+"""API keys: every /v1 route and the tokenizer routes need `Authorization: Bearer <key>`
+when a key is set.
 
 /health and /metrics stay open, as load balancers and scrapers expect.
 """
@@ -11,11 +12,11 @@ from aiohttp import web
 
 from frontend.errors import unauthorized
 
-PROTECTED_PREFIX = "/v1"
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 def is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in PROTECTED_PREFIXES)
 
 
 def bearer_token(request: web.Request) -> str | None:

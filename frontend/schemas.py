@@ -116,7 +116,7 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     else:
         max_tokens = reader.integer("max_tokens", None, minimum=1)
     options = _parse_options(reader, max_tokens, vocab_size, n, logprobs)
-    return ChatRequest(_parse_messages(body.get("messages")), options)
+    return ChatRequest(parse_messages(body.get("messages")), options)
 
 
 def _parse_n(reader: BodyReader) -> int:
@@ -218,7 +218,7 @@ def _parse_logit_bias(raw: Any, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def _parse_messages(raw: Any) -> list[ChatMessage]:
+def parse_messages(raw: Any) -> list[ChatMessage]:
     if raw is None:
         raise invalid_param(
             "messages", "'messages' is required.", code="missing_required_parameter"

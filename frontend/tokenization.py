@@ -24,15 +24,16 @@ class TokenizerService:
         self.token_texts = TokenTexts(tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
-    async def encode_prompt(self, text: str) -> list[int]:
-        return await self._run(self._encode, text, True)
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(self._encode, text, add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(self._decode, token_ids)
 
-    async def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    async def encode_chat(self, messages: list[ChatMessage],
+                          add_generation_prompt: bool = True) -> list[int]:
         conversation = [{"role": m.role, "content": m.content} for m in messages]
-        return await self._run(self._render_and_encode, conversation)
+        return await self._run(self._render_and_encode, conversation, add_generation_prompt)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -46,10 +47,11 @@ class TokenizerService:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def _render_and_encode(self, conversation: list[dict[str, str]]) -> list[int]:
+    def _render_and_encode(self, conversation: list[dict[str, str]],
+                           add_generation_prompt: bool) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except (jinja2.TemplateError, ValueError) as exc:
             raise invalid_param(

@@ -54,6 +54,12 @@ CASES = [
     Case("a prefix of the API key", COMPLETIONS, completion(), 401, code="invalid_api_key",
          headers={"Authorization": f"Bearer {API_KEY[:-1]}"}),
     Case("models without a key", "/v1/models", None, 401, method="GET", headers={}),
+    Case("tokenize without a key", "/tokenize", {"prompt": "Hi"}, 401, code="invalid_api_key",
+         headers={}),
+    Case("detokenize with a wrong key", "/detokenize", {"tokens": [5]}, 401,
+         code="invalid_api_key", headers={"Authorization": "Bearer sk-wrong"}),
+    Case("detokenize an id past the vocabulary", "/detokenize", {"tokens": [49152]},
+         param="tokens"),
     # the body itself
     Case("invalid JSON", CHAT, b'{"model": "tiny-llama", "messages": ['),
     Case("empty body", CHAT, b""),

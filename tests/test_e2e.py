@@ -93,3 +93,21 @@ def test_concurrent_requests_share_the_engine(client):
     alone = client.completions.create(model=MODEL, prompt=prompts[3], temperature=0,
                                       max_tokens=12)
     assert alone.choices[0].text == results[3].choices[0].text
+
+
+def post_json(server: LaunchedServer, path: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        server.base_url + path, data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_tokenize_counts_what_generation_bills(server, client):
+    counted = post_json(server, "/tokenize", {"model": MODEL, "messages": QUESTION})
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    assert counted["count"] == response.usage.prompt_tokens == len(counted["tokens"])
+    assert counted["max_model_len"] == 8192
+    text = post_json(server, "/detokenize", {"model": MODEL, "tokens": counted["tokens"]})
+    assert "What is the capital of France?" in text["prompt"]
+    assert text["prompt"].startswith("<|im_start|>")
