@@ -240,9 +240,9 @@ class EngineClient:
                 await self._fail_in_flight_after_grace("the connection to the engine was lost")
 
     async def _fail_in_flight_after_grace(self, reason: str) -> None:
+        # The reader drains what is queued within the grace. Peeking at the socket's EVENTS
+        # from here instead would steal the reader's wake-up and stall both (pyzmq #2173).
         await asyncio.sleep(DISCONNECT_GRACE_S)
-        while self._outputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            await asyncio.sleep(0.01)
         if not self.engine_dead:
             return
         failure = _Failure(EngineDeadError(f"The engine stopped: {reason}."), engine_gone=True)
