@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shutdown-timeout", type=float, default=3.0,
                         help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
                              f"(default: ${API_KEY_ENV}; /health and /metrics stay open)")
     parser.add_argument("--max-waiting-requests", type=positive_int, default=1024,
                         help="requests waiting for the engine (each of n choices counts) "

@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
+        f"(default: ${API_KEY_ENV})",
     )
     parser.add_argument(
         "--max-waiting-requests",

@@ -23,7 +23,7 @@ class FrontendSettings:
     requests_addr: str
     outputs_addr: str
     engine_info: Ready | None = None
-    api_key: str | None = None  # None: the /v1 routes are open
+    api_key: str | None = None  # None: the /v1 and tokenizer routes are open
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_pid: int | None = None  # watched, so the engine's death is noticed at once
