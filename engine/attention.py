@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_decode_kernel import kernel_supports, load_cpp_decode, run_paged_decode
+from engine.forward_context import current_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -404,6 +405,35 @@ def paged_attention(
         else:
             prefill_fresh(q, k, v, out, chunk, scale)
     return out
+
+
+@torch.library.custom_op("loom::paged_attention", mutates_args=("k_cache", "v_cache"))
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """`paged_attention` over the step's metadata (`engine.forward_context`), as one opaque
+    torch op: a compiled forward keeps its graph whole around it."""
+    return paged_attention(q, k, v, k_cache, v_cache, current_metadata(), scale)
+
+
+@attention_op.register_fake
+def _attention_op_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """What a model layer calls: the op when compiling, the plain function (no op dispatch
+    cost) when eager."""
+    if torch.compiler.is_compiling():
+        return attention_op(q, k, v, k_cache, v_cache, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, current_metadata(), scale)
 
 
 def gather_context(

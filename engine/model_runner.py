@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.forward_context import forward_context
 from engine.scheduler import ScheduledChunk
 
 
@@ -59,7 +60,8 @@ class ModelRunner:
                                            block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, position_ids, self.kv_caches, metadata)
+        with forward_context(metadata):
+            hidden = self.model(input_ids, position_ids, self.kv_caches)
         if not sample_rows:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -37,6 +37,8 @@ CASES = [
     Case("mixed_mha", ((1, 12), (1, 70), (9, 9), (7, 40)), num_heads=4, num_kv_heads=4),
     Case("mixed_block4", ((1, 3), (1, 21), (1, 8), (6, 6), (5, 13)), block_size=4),
     Case("mqa", ((1, 30), (1, 2), (11, 25)), num_heads=6, num_kv_heads=1, head_dim=32),
+    Case("gqa4_dim128", ((1, 70), (1, 3), (1, 129), (9, 40)), num_heads=8, num_kv_heads=2,
+         head_dim=128),
     Case("one_token_prompt", ((1, 1), (3, 3))),
 ]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}

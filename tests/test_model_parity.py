@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.default_model import resolve_model
+from engine.forward_context import forward_context
 from engine.loader import choose_dtype, cpu_has_native_bf16, load_model
 from engine.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig, rope_inv_freq
 from tests.model_fixtures import (
@@ -36,9 +37,8 @@ def run_step(model: LlamaForCausalLM, kv_caches, token_ids: list[int], seq_lens:
              query_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
     """One engine step over a flattened batch; logits for every scheduled token."""
     metadata = build_metadata(block_tables, seq_lens, query_lens, BLOCK_SIZE)
-    with torch.no_grad():
-        hidden = model(torch.tensor(token_ids), positions_for(seq_lens, query_lens),
-                       kv_caches, metadata)
+    with torch.no_grad(), forward_context(metadata):
+        hidden = model(torch.tensor(token_ids), positions_for(seq_lens, query_lens), kv_caches)
         return model.compute_logits(hidden)
 
 
@@ -46,8 +46,8 @@ def prefill_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tenso
     blocks = -(-len(token_ids) // BLOCK_SIZE)
     kv_caches = allocate_kv_caches(model, blocks, BLOCK_SIZE)
     metadata = contiguous_metadata([len(token_ids)], [len(token_ids)], BLOCK_SIZE, blocks)
-    with torch.no_grad():
-        hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), kv_caches, metadata)
+    with torch.no_grad(), forward_context(metadata):
+        hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), kv_caches)
         return model.compute_logits(hidden)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import attend
 
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
@@ -275,15 +275,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
         qk = apply_rotary(qk, cos, signed_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        out = attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -310,10 +309,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         attn_in = self.input_layernorm(x)
-        x = x + self.self_attn(attn_in, cos, signed_sin, kv_cache, metadata)
+        x = x + self.self_attn(attn_in, cos, signed_sin, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -355,14 +353,15 @@ class LlamaForCausalLM(nn.Module):
         return (num_blocks, self.config.num_key_value_heads, block_size, self.config.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] BEFORE the final norm; `compute_logits` applies it."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states [T, hidden] BEFORE the final norm; `compute_logits` applies it.
+
+        Attention reads the step's metadata from `engine.forward_context`."""
         cos = self.rope_cos[positions].unsqueeze(1)
         signed_sin = self.rope_signed_sin[positions].unsqueeze(1)
         x = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, signed_sin, kv_cache, metadata)
+            x = layer(x, cos, signed_sin, kv_cache)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
