@@ -22,7 +22,6 @@ hold finite values everywhere: allocate them with `torch.zeros`.
 from __future__ import annotations
 
 import array
-import functools
 import itertools
 import logging
 import os
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 
 from engine.cpu_decode_kernel import kernel_supports, load_cpp_decode, run_paged_decode
 from engine.forward_context import current_metadata
+from engine.linear import native_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -484,15 +484,6 @@ def decode_bucket(
         out[bucket.row_range[0]:bucket.row_range[1]] = attended
     else:
         out.index_copy_(0, bucket.rows, attended)
-
-
-@functools.cache
-def native_bf16_matmul() -> bool:
-    """Whether oneDNN multiplies bf16 natively here (AVX512-BF16 or AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def decode_uses_matmul(query: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -36,7 +37,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Llam
     weights = dict(_merged_weights(_read_safetensors(directory, device), dtype))
     _tie_or_check_lm_head(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    prepack_linears(model, device, dtype)
+    return model
 
 
 def read_hf_config(directory: Path) -> dict:

@@ -366,8 +366,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `forward`'s output that get sampled."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.model.norm(hidden), weight).float()
+        hidden = self.model.norm(hidden)
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
 
 def rope_cos_sin_on_cpu(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
