@@ -27,6 +27,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # True: never compile the forward
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -68,6 +69,7 @@ class EngineConfig:
             enable_chunked_prefill=not args.no_enable_chunked_prefill,
             enable_prefix_caching=not args.no_enable_prefix_caching,
             seed=args.seed,
+            enforce_eager=args.enforce_eager,
         )
 
 
@@ -90,3 +92,5 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-enable-chunked-prefill", action="store_true")
     engine.add_argument("--no-enable-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="run the model eagerly: no torch.compile, no compile warm-up")

@@ -1,0 +1,234 @@
+"""Where one engine step's time goes, by op class: a decode step at each batch size and,
+optionally, one prefill step, in each forward mode.
+
+    python -m bench.profile_step [--model DIR] [--dtype auto] [--batch 1,64] [--context 128]
+        [--prefill 2048] [--steps 20] [--modes eager,compiled]
+
+The engine runs in-process (`EngineCore.step`: scheduler, runner, forward, sampler). Wall time
+is the median of unprofiled steps; the op classes come from a torch.profiler run of the same
+steps: each op's own (self) CPU time goes to a class by its name or by the function of ours
+that issued it. Python/other is the wall time no op accounts for: the scheduler, building the
+step's inputs, the interpreter between ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.autograd.profiler_util import FunctionEvent
+from torch.profiler import ProfilerActivity, profile
+
+from common.config import EngineConfig
+from common.default_model import resolve_model
+from common.protocol import AddRequest
+from common.sampling import SamplingParams
+from engine import attention, cpu_decode_kernel, logits_processors, sampler
+from engine.core import EngineCore
+from engine.models import llama
+
+CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
+           "Python/other")
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+                      "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::_int_mm",
+                      "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"})
+KV_WRITE_OPS = frozenset({"aten::index_copy_", "aten::index_put_"})
+# Inductor names a fused kernel after the ops it fused: the first marker found decides.
+FUSED_KERNEL_MARKERS = (("rsqrt", "norms"), ("silu", "activation"), ("sigmoid", "activation"),
+                        ("roll", "rope"), ("addcmul", "rope"), ("index_copy", "KV write"))
+
+
+def _line_range(function: Callable) -> tuple[str, range]:
+    lines, first = inspect.getsourcelines(function)
+    return Path(inspect.getsourcefile(function) or "").name, range(first, first + len(lines))
+
+
+# Files whose every op and Python frame belongs to one class (the C++ decode kernel runs
+# inside a Python frame of cpu_decode_kernel.py, called through ctypes).
+FRAME_FILES: list[tuple[str, str]] = [
+    ("attention", Path(attention.__file__).name),
+    ("attention", Path(cpu_decode_kernel.__file__).name),
+    ("sampler", Path(sampler.__file__).name),
+    ("sampler", Path(logits_processors.__file__).name),
+]
+# The functions of ours whose ops belong to a class (residual adds go with the norms).
+SCOPES: list[tuple[str, str, range]] = [
+    (op_class, *_line_range(function)) for op_class, function in (
+        ("norms", llama.RMSNorm.forward),
+        ("norms", llama.DecoderLayer.forward),
+        ("rope", llama.apply_rotary),
+        ("activation", llama.MLP.forward),
+    )
+] + [(op_class, file_name, range(1, 10**6)) for op_class, file_name in FRAME_FILES]
+
+
+def is_python_frame(name: str) -> bool:
+    return ".py(" in name or name.startswith(("<built-in", "<string>", "<frozen"))
+
+
+def python_callers(event: FunctionEvent) -> Iterator[str]:
+    """The Python frames around an op, innermost first: "path/file.py(line): function"."""
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent.name
+        parent = parent.cpu_parent
+
+
+def classify(event: FunctionEvent) -> str:
+    name = event.name
+    if is_python_frame(name):  # the interpreter's own time, or a ctypes kernel's
+        return next((op_class for op_class, file_name in FRAME_FILES
+                     if name.partition("(")[0].endswith(file_name)), "Python/other")
+    if name in GEMM_OPS:
+        return "GEMM"
+    if name in KV_WRITE_OPS:
+        return "KV write"
+    if name.startswith("loom::"):
+        return "attention"
+    for marker, op_class in FUSED_KERNEL_MARKERS:
+        if "cpp_fused" in name and marker in name:
+            return op_class
+    for frame in python_callers(event):
+        file_part, _, _ = frame.partition(": ")
+        path, _, line = file_part.rstrip(")").rpartition("(")
+        for op_class, file_name, lines in SCOPES:
+            if path.endswith(file_name) and line.isdigit() and int(line) in lines:
+                return op_class
+    return "Python/other"
+
+
+@dataclass(slots=True)
+class StepProfile:
+    label: str
+    wall_ms: float
+    class_ms: dict[str, float] = field(default_factory=dict)
+
+    def row(self) -> str:
+        accounted = sum(self.class_ms.values())
+        shares = {**self.class_ms, "Python/other": max(self.wall_ms - accounted, 0.0)
+                  + self.class_ms.get("Python/other", 0.0)}
+        cells = [f"{shares.get(name, 0.0):.1f} ({100 * shares.get(name, 0.0) / self.wall_ms:.0f}%)"
+                 for name in CLASSES]
+        return f"| {self.label} | {self.wall_ms:.1f} | " + " | ".join(cells) + " |"
+
+
+def profile_steps(core: EngineCore, label: str, run_step: Callable[[], None],
+                  steps: int) -> StepProfile:
+    """Median wall time of `steps` steps, then the op classes of `steps` more, per step."""
+    walls = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        run_step()
+        walls.append(time.perf_counter() - started)
+    class_us = dict.fromkeys(CLASSES, 0.0)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(steps):
+            run_step()
+    for event in prof.events():
+        if event.self_cpu_time_total > 0 and not event.name.startswith(("## ", "Torch-Compiled")):
+            class_us[classify(event)] += event.self_cpu_time_total
+    # Profiled ops run slower than unprofiled ones: scale the classes to the unprofiled wall.
+    profiled_total = sum(class_us.values())
+    wall_ms = statistics.median(walls) * 1000
+    scale = min(1.0, wall_ms * steps * 1000 / profiled_total) if profiled_total else 1.0
+    class_ms = {name: us * scale / steps / 1000 for name, us in class_us.items()}
+    return StepProfile(label, wall_ms, class_ms)
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(length)]
+
+
+def decode_profile(core: EngineCore, label: str, batch: int, context: int, steps: int,
+                   rng: random.Random) -> StepProfile:
+    vocab = core.model.config.vocab_size
+    greedy = SamplingParams(max_tokens=core.max_model_len - context, temperature=0.0,
+                            ignore_eos=True)
+    for index in range(batch):
+        core.add_request(AddRequest(f"decode-{index}", random_prompt(rng, context, vocab),
+                                    greedy, time.time()))
+    while any(request.is_prefilling for request in core.scheduler.running) \
+            or core.scheduler.waiting:
+        core.step()
+    for _ in range(3):  # warm-up
+        core.step()
+    result = profile_steps(core, label, core.step, steps)
+    core.abort_requests([f"decode-{index}" for index in range(batch)])
+    return result
+
+
+def prefill_profile(core: EngineCore, label: str, length: int, steps: int,
+                    rng: random.Random) -> StepProfile:
+    vocab = core.model.config.vocab_size
+    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    counter = iter(range(10**9))
+
+    def one_prefill() -> None:
+        core.add_request(AddRequest(f"prefill-{next(counter)}", random_prompt(rng, length, vocab),
+                                    one_token, time.time()))
+        while core.has_work:
+            core.step()
+
+    one_prefill()  # warm-up
+    return profile_steps(core, label, one_prefill, steps)
+
+
+def make_core(args: argparse.Namespace, mode: str) -> EngineCore:
+    config = EngineConfig(
+        model=resolve_model(args.model), dtype=args.dtype,
+        max_num_seqs=max(args.batch), enable_prefix_caching=False,
+        max_num_batched_tokens=max(args.prefill or 0, 2048),
+        enforce_eager=mode == "eager",
+    )
+    return EngineCore(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", default="1,64", help="decode batch sizes, comma-separated")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--prefill", type=int, default=0, help="also profile one prefill step "
+                                                               "of this many tokens")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.batch = [int(size) for size in args.batch.split(",") if size]
+    rng = random.Random(args.seed)
+    rows = []
+    for mode in filter(None, args.modes.split(",")):
+        core = make_core(args, mode)
+        for batch in args.batch:
+            rows.append(decode_profile(core, f"{mode} decode, batch {batch}", batch,
+                                       args.context, args.steps, rng).row())
+            print(rows[-1], file=sys.stderr, flush=True)
+        if args.prefill:
+            rows.append(prefill_profile(core, f"{mode} prefill, {args.prefill} tokens",
+                                        args.prefill, max(3, args.steps // 5), rng).row())
+            print(rows[-1], file=sys.stderr, flush=True)
+        del core
+    flags = sorted({flag for flag in ("avx512_bf16", "amx_bf16", "avx512f", "avx2")
+                    if flag in Path("/proc/cpuinfo").read_text()}) if Path(
+                        "/proc/cpuinfo").exists() else []
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"flags: {' '.join(flags) or 'unknown'}, torch {torch.__version__}, "
+          f"dtype {args.dtype}, context {args.context} tokens; ms per step (share)\n")
+    print("| step | wall ms | " + " | ".join(CLASSES) + " |")
+    print("|---|--:|" + "--:|" * len(CLASSES))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
