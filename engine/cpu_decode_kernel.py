@@ -1,26 +1,20 @@
 """A small C++/OpenMP paged-decode kernel for the CPU: one query token per request attends
-over its blocks in place (no gather), with an fp32 softmax. Built once with the system's
-g++ (about 2 s), cached under $LOOM_CACHE/kernels keyed by source, flags and CPU, loaded
-through ctypes; when it cannot be built, attention falls back to its torch path.
+over its blocks in place (no gather), with an fp32 softmax. Built once by `engine.cpp_build`
+(about 2 s) and loaded through ctypes; when it cannot be built, attention falls back to its
+torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from common.default_model import default_cache_dir
+from engine.cpp_build import CPP_NUMERICS, compiled_library
 
 if TYPE_CHECKING:
     from engine.attention import DecodeBatch
@@ -32,10 +26,8 @@ logger = logging.getLogger(__name__)
 # and keeps scores, softmax and accumulators in fp32. Where the CPU has AVX-512, head_dim 64
 # and 128 with up to 8 query heads per KV head take a path with the query and accumulators
 # in registers; elsewhere the compiler vectorizes the plain loops.
-CPP_SOURCE = r"""
+CPP_SOURCE = CPP_NUMERICS + r"""
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__)
@@ -43,34 +35,6 @@ CPP_SOURCE = r"""
 #endif
 
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {  // round to nearest even; NaN stays NaN
-  uint32_t bits = __builtin_bit_cast(uint32_t, x);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *dst = uint16_t((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = uint16_t(bits >> 16);
-}
-
-// exp(x) for x <= 0 (a score minus its row max) in plain arithmetic that vectorizes.
-inline float exp_nonpositive(float x) {
-  x = x > -87.0f ? x : -87.0f;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
-}
 
 inline void prefetch(const void* ptr, int64_t bytes) {
   const char* p = static_cast<const char*>(ptr);
@@ -86,7 +50,7 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len, const float*
     const float m = maxes[g];
 #pragma omp simd reduction(+ : total)
     for (int64_t j = 0; j < len; ++j) {
-      sg[j] = exp_nonpositive(sg[j] - m);
+      sg[j] = fast_exp(sg[j] - m);
       total += sg[j];
     }
     inv_sums[g] = 1.f / total;
@@ -345,10 +309,7 @@ extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
   return 0;
 }
 """
-CPP_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-             "-std=c++17"]
 CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
-CPP_COMPILE_TIMEOUT_S = 120
 
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -388,7 +349,7 @@ def run_paged_decode(
 def load_cpp_decode() -> ctypes._CFuncPtr | None:
     """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
     try:
-        library = ctypes.CDLL(str(compiled_library()))
+        library = ctypes.CDLL(str(compiled_library("paged_decode", CPP_SOURCE)))
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("C++ paged-decode kernel unavailable, using the torch path: %s", error)
         return None
@@ -398,36 +359,3 @@ def load_cpp_decode() -> ctypes._CFuncPtr | None:
                        i64, ctypes.c_float, ptr, ctypes.c_int]
     kernel.restype = ctypes.c_int
     return kernel
-
-
-def compiled_library() -> Path:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise OSError("no C++ compiler found")
-    # -march=native code must never be loaded on another CPU: the CPU is part of the key.
-    key = hashlib.sha256("\n".join(
-        [CPP_SOURCE, compiler, *CPP_FLAGS, cpu_signature(), torch.__version__]).encode())
-    cache_dir = Path(os.environ.get("LOOM_KERNEL_CACHE") or default_cache_dir() / "kernels")
-    library = cache_dir / f"paged_decode_{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
-        source = Path(build_dir) / "paged_decode.cpp"
-        source.write_text(CPP_SOURCE)
-        built = Path(build_dir) / library.name
-        result = subprocess.run([compiler, *CPP_FLAGS, "-o", str(built), str(source)],
-                                capture_output=True, text=True, timeout=CPP_COMPILE_TIMEOUT_S)
-        if result.returncode != 0:
-            raise OSError(f"compiling the kernel failed: {result.stderr[-2000:]}")
-        os.replace(built, library)  # atomic: concurrent builders never see half a file
-    return library
-
-
-def cpu_signature() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() + platform.machine()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import attend
+from engine.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
@@ -255,10 +256,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
-        self.shape = (size,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (norm(x + residual), x + residual) (see fused_ops)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -296,8 +300,7 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -308,11 +311,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        attn_in = self.input_layernorm(x)
-        x = x + self.self_attn(attn_in, cos, signed_sin, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                signed_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output; residual: the stream it adds to (None on the first
+        layer, whose x is the embedding). Returns this layer's output and the stream."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, signed_sin, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -359,10 +369,10 @@ class LlamaForCausalLM(nn.Module):
         Attention reads the step's metadata from `engine.forward_context`."""
         cos = self.rope_cos[positions].unsqueeze(1)
         signed_sin = self.rope_signed_sin[positions].unsqueeze(1)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, signed_sin, kv_cache)
-        return x
+            x, residual = layer(x, residual, cos, signed_sin, kv_cache)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `forward`'s output that get sampled."""

@@ -1,0 +1,127 @@
+"""C++/OpenMP kernels for the decoder's elementwise ops on the CPU, fp32 or bf16, math in fp32:
+RMSNorm with the residual add fused in, and SiLU(gate) * up. One pass over each row instead
+of several torch ops (and their temporaries); built by `engine.cpp_build`, loaded through
+ctypes. `engine.fused_ops` is the boundary that picks these or torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+
+import torch
+
+from engine.cpp_build import CPP_NUMERICS, compiled_library
+
+logger = logging.getLogger(__name__)
+
+CPP_SOURCE = CPP_NUMERICS + r"""
+namespace {
+
+constexpr int64_t kParallelElems = 1 << 15;  // below this, one thread beats waking the rest
+
+// residual == nullptr: out = norm(src). Else residual = src + residual (rounded to T, as an
+// unfused add would store it) and out = norm(residual). out may be src.
+template <typename T>
+void add_rms_norm(const T* src, T* residual, const T* weight, T* out, int64_t rows,
+                  int64_t hidden, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * hidden >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = src + r * hidden;
+    T* res = residual ? residual + r * hidden : nullptr;
+    const T* normed = res ? res : x;
+    float squares = 0.f;
+    if (res) {
+      for (int64_t i = 0; i < hidden; ++i) store(res + i, to_float(x[i]) + to_float(res[i]));
+    }
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < hidden; ++i) squares += to_float(normed[i]) * to_float(normed[i]);
+    const float inv_rms = 1.f / std::sqrt(squares / float(hidden) + eps);
+    T* y = out + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i)
+      store(y + i, to_float(normed[i]) * inv_rms * to_float(weight[i]));
+  }
+}
+
+// gate_up rows are [gate (width) | up (width)]; out rows are silu(gate) * up.
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * width;
+    const T* up = gate + width;
+    T* y = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_float(gate[i]);
+      store(y + i, g / (1.f + fast_exp(-g)) * to_float(up[i]));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" void loom_add_rms_norm(int is_bf16, const void* src, void* residual,
+                                  const void* weight, void* out, int64_t rows, int64_t hidden,
+                                  float eps, int threads) {
+  if (is_bf16)
+    add_rms_norm(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(residual),
+                 static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows,
+                 hidden, eps, threads);
+  else
+    add_rms_norm(static_cast<const float*>(src), static_cast<float*>(residual),
+                 static_cast<const float*>(weight), static_cast<float*>(out), rows, hidden, eps,
+                 threads);
+}
+
+extern "C" void loom_silu_and_mul(int is_bf16, const void* gate_up, void* out, int64_t rows,
+                                  int64_t width, int threads) {
+  if (is_bf16)
+    silu_and_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows,
+                 width, threads);
+  else
+    silu_and_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, width,
+                 threads);
+}
+"""
+
+
+@functools.cache
+def load_elementwise() -> ctypes.CDLL | None:
+    """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
+    try:
+        library = ctypes.CDLL(str(compiled_library("elementwise", CPP_SOURCE)))
+    except (OSError, subprocess.SubprocessError) as error:
+        logger.warning("C++ elementwise kernels unavailable, using torch ops: %s", error)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.loom_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64,
+                                          ctypes.c_float, ctypes.c_int]
+    library.loom_add_rms_norm.restype = None
+    library.loom_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, ctypes.c_int]
+    library.loom_silu_and_mul.restype = None
+    return library
+
+
+def kernel_supports(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    return all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+               for t in tensors) and dtype in (torch.float32, torch.bfloat16)
+
+
+def run_add_rms_norm(library: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    hidden = x.shape[-1]
+    library.loom_add_rms_norm(
+        int(x.dtype == torch.bfloat16), x.data_ptr(),
+        None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.numel() // hidden, hidden, eps, torch.get_num_threads())
+
+
+def run_silu_and_mul(library: ctypes.CDLL, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    width = out.shape[-1]
+    library.loom_silu_and_mul(int(gate_up.dtype == torch.bfloat16), gate_up.data_ptr(),
+                              out.data_ptr(), out.numel() // width, width,
+                              torch.get_num_threads())

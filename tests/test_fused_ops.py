@@ -1,0 +1,62 @@
+"""The C++ elementwise kernels against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import fused_ops
+from engine.cpu_elementwise_kernel import load_elementwise
+
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_elementwise() is not None, "the C++ elementwise kernels did not build"
+    monkeypatch.setattr(fused_ops, "CPP_ELEMENTWISE", True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 200])  # 200 rows of 576 run on several threads
+def test_rms_norm_and_the_fused_residual_add(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576, dtype=dtype) * 3
+    residual = torch.randn(rows, 576, dtype=dtype)
+    weight = 1 + 0.1 * torch.randn(576, dtype=dtype)
+    tolerance = TOLERANCES[dtype]
+
+    want = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    got = fused_ops.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+    want_sum = (x + residual).float()  # rounded to dtype as the unfused add stores it
+    want = F.rms_norm(want_sum, (576,), weight.float(), 1e-5)
+    normed, summed = fused_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    torch.testing.assert_close(summed.float(), want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(normed.float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
+    gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.5, 88.5, 1e-8], dtype=dtype)
+    gate, up = gate_up.float().split(1536, dim=-1)
+    want = F.silu(gate) * up
+    got = fused_ops.silu_and_mul(gate_up)
+    assert got.shape == (rows, 1536) and got.dtype == dtype
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_torch_ops_serve_where_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_ops, "CPP_ELEMENTWISE", False)
+    x, residual, weight = torch.randn(4, 8), torch.randn(4, 8), torch.rand(8) + 0.5
+    normed, summed = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(summed, x + residual)
+    torch.testing.assert_close(normed, F.rms_norm(x + residual, (8,), weight, 1e-6))
+    torch.testing.assert_close(fused_ops.silu_and_mul(torch.cat((x, residual), -1)),
+                               F.silu(x) * residual)
