@@ -1,7 +1,8 @@
 """One workload against Loom in several batching modes, and any other server, in one table.
 
     python -m bench.compare [--model DIR] [--modes continuous,static,seqs1]
-        [--concurrency 1,8,32,64] [--url [NAME=]URL ...] [--launch-args "--dtype float32"]
+        [--concurrency 1,8,32,64] [--url [NAME=]URL ...] [--peer NAME='COMMAND {port}' ...]
+        [--launch-args "--dtype float32"]
         [workload and request flags of bench.serve] [--output FILE] [--plot DIR]
         [--save-json FILE]
 
@@ -9,7 +10,8 @@ The defaults are workload W1: 64 chat prompts of about 100 tokens from the proje
 prompts file, 128 output tokens forced with ignore_eos. Modes: `continuous`, `static`
 (--batching static) and `seqs1` (--max-num-seqs 1). Each (mode, concurrency) runs on a
 freshly started server, so no run finds the previous run's prompts in the prefix cache;
---reuse-server keeps one server per mode. `--url` targets are used as they are.
+--reuse-server keeps one server per mode. `--peer` servers are started the same way, fresh
+per cell, from their command line; `--url` targets are used as they are.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from bench.datasets import BenchTokenizer, SampleRequest, build_dataset
 from bench.launched import LoomServer
+from bench.peer import PeerServer
 from bench.serve import (
     CHAT_ENDPOINT,
     RunResult,
@@ -52,8 +55,9 @@ W1_DEFAULTS = {"dataset": "prompts", "num_prompts": 64, "input_len": 100, "outpu
 @dataclass(slots=True)
 class Target:
     name: str
-    base_url: str | None = None  # None: compare starts it through launch.py
+    base_url: str | None = None  # None: compare starts it (launch.py or the peer command)
     launch_args: list[str] = field(default_factory=list)
+    peer_command: str | None = None  # a peer server's command line, "{port}" filled in
 
 
 @dataclass(slots=True)
@@ -74,6 +78,11 @@ def parse_targets(args: argparse.Namespace) -> list[Target]:
     for index, spec in enumerate(args.url):
         name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
         targets.append(Target(name or f"url{index + 1} {url}", url))
+    for index, spec in enumerate(args.peer):
+        name, separator, command = spec.partition("=")
+        if not separator or " " in name:
+            name, command = f"peer{index + 1}", spec
+        targets.append(Target(name, peer_command=command))
     return targets
 
 
@@ -82,6 +91,12 @@ def served(target: Target, log_dir: Path) -> Iterator[str]:
     """The target's base URL, with a Loom server running behind it when compare starts one."""
     if target.base_url is not None:
         yield target.base_url
+        return
+    if target.peer_command is not None:
+        print(f"[compare] starting {target.name}: {target.peer_command}", file=sys.stderr,
+              flush=True)
+        with PeerServer(target.peer_command, log_dir=log_dir) as peer:
+            yield peer.base_url
         return
     print(f"[compare] starting {target.name}: launch.py {shlex.join(target.launch_args)}",
           file=sys.stderr, flush=True)
@@ -175,6 +190,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated --max-concurrency levels")
     parser.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
                         help="an extra OpenAI-compatible server to run the workload against")
+    parser.add_argument("--peer", action="append", default=[], metavar="NAME=COMMAND",
+                        help="another server to start fresh for every cell from COMMAND, "
+                             "whose {port} compare fills in (e.g. vllm='python -m "
+                             "vllm.entrypoints.openai.api_server ... --port {port}'); "
+                             "ready when GET /v1/models answers")
     parser.add_argument("--launch-args", default="",
                         help='extra launch.py flags for every Loom server, one string '
                              '(write --launch-args="--dtype float32")')

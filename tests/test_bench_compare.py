@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -50,3 +51,33 @@ def test_one_row_per_target(tmp_path: Path, canned_url: str) -> None:
     assert [(run["target"], run["completed"]) for run in runs] == [
         ("loom continuous", 4), ("loom static", 4), ("canned", 4)]
     assert (tmp_path / "img" / "scaling.png").is_file()
+
+
+def test_a_peer_server_is_started_fresh_for_every_cell_and_stopped(tmp_path: Path) -> None:
+    table, logs = tmp_path / "table.md", tmp_path / "logs"
+    peer = f"canned={sys.executable} -m tests.canned_server --port {{port}}"
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--modes", "", "--concurrency", "1,2",
+         "--peer", peer, "--num-prompts", "4", "--output-len", "8", "--output", str(table),
+         "--log-dir", str(logs), "--no-progress"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    rows = [line.split(" | ")[:3] for line in table.read_text().splitlines()
+            if line.startswith("| canned")]
+    assert rows == [["| canned", "1", "4 / 0"], ["| canned", "2", "4 / 0"]]
+    peer_logs = sorted(logs.glob("peer-*.log"))
+    assert len(peer_logs) == 2, "one fresh peer per concurrency level"
+    ports = [int(path.stem.removeprefix("peer-")) for path in peer_logs]
+    for port in ports:  # every peer was stopped: its port is free again
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_peer_command_without_a_port_is_refused(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--modes", "", "--concurrency", "1",
+         "--peer", f"x={sys.executable} -m tests.canned_server", "--num-prompts", "1",
+         "--no-progress"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert completed.returncode != 0
+    assert "no {port}" in completed.stderr
