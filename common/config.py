@@ -27,7 +27,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
-    enforce_eager: bool = False  # True: never compile the forward
+    compile: bool = False  # torch.compile the forward (engine.compiled_forward)
+    enforce_eager: bool = False  # vLLM's flag: never compile, whatever `compile` says
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -43,6 +44,10 @@ class EngineConfig:
                              f"not {self.scheduling_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile and not self.enforce_eager
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -69,6 +74,7 @@ class EngineConfig:
             enable_chunked_prefill=not args.no_enable_chunked_prefill,
             enable_prefix_caching=not args.no_enable_prefix_caching,
             seed=args.seed,
+            compile=args.compile,
             enforce_eager=args.enforce_eager,
         )
 
@@ -92,5 +98,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-enable-chunked-prefill", action="store_true")
     engine.add_argument("--no-enable-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--compile", action="store_true",
+                        help="torch.compile the forward (inductor, frozen weights); compiles "
+                             "for ~1 min at every start")
     engine.add_argument("--enforce-eager", action="store_true",
-                        help="run the model eagerly: no torch.compile, no compile warm-up")
+                        help="never compile the forward (the default; wins over --compile)")

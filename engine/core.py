@@ -44,7 +44,8 @@ class EngineCore:
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device,
+                                prepack=not config.compiled)
         model_config = self.model.config
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
         limit = model_config.max_exact_len
@@ -59,7 +60,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device,
-                                  self.dtype)
+                                  self.dtype, compiled=config.compiled)
         self.sampler = Sampler(self.device, config.seed)
         if self.device.type == "cpu":
             load_cpp_decode()  # compile (or load the cached) decode kernel before READY

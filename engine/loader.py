@@ -27,7 +27,10 @@ _LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)\.(weight|bias)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
+               prepack: bool = True) -> LlamaForCausalLM:
+    """The model on `device`, its linears prepacked where that pays (engine.linear); a model
+    that torch.compile will freeze keeps plain ones (inductor packs those itself)."""
     directory = Path(model_dir)
     hf_config = read_hf_config(directory)
     config = ModelConfig.from_hf(hf_config)
@@ -38,7 +41,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Llam
     _tie_or_check_lm_head(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device).eval().requires_grad_(False)
-    prepack_linears(model, device, dtype)
+    if prepack:
+        prepack_linears(model, device, dtype)
     return model
 
 

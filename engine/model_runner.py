@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.forward_context import forward_context
 from engine.scheduler import ScheduledChunk
 
@@ -17,7 +18,7 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, compiled: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -28,6 +29,21 @@ class ModelRunner:
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)
         ]
+        self.forward: Forward = model
+        if compiled:
+            self.forward = compile_forward(model)
+            timed_warm_up(self._placeholder_step)
+
+    @torch.inference_mode()
+    def _placeholder_step(self, num_tokens: int) -> None:
+        """`num_tokens` one-token decodes at position 0 of block 0 (free before any request):
+        what a step of that many tokens compiles, writing nothing a request will read."""
+        metadata = AttentionMetadata.build([1] * num_tokens, [1] * num_tokens,
+                                           [[0]] * num_tokens, [0] * num_tokens,
+                                           self.block_size, self.device)
+        zeros = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with forward_context(metadata):
+            self.forward(zeros, zeros, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
@@ -61,7 +77,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
         with forward_context(metadata):
-            hidden = self.model(input_ids, position_ids, self.kv_caches)
+            hidden = self.forward(input_ids, position_ids, self.kv_caches)
         if not sample_rows:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

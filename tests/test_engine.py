@@ -73,11 +73,16 @@ def test_a_long_prompt_prefills_in_chunks_while_others_decode(tiny_model_dir):
     assert_no_leaks(core)
 
 
-def test_mixed_batch_with_preemption_equals_each_request_alone(tiny_model_dir, reference_model):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_mixed_batch_with_preemption_equals_each_request_alone(tiny_model_dir, reference_model,
+                                                                compiled):
+    """Greedy output equals transformers' generate, eager and torch.compile'd alike."""
     lengths = [3, 17, 40, 9, 64, 1, 25, 33]
     prompts = [prompt_of(n, i) for i, n in enumerate(lengths)]
     # 12 blocks of 16 tokens for 8 requests of up to 64 + 24 tokens: preemption is certain.
-    core = make_core(tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=48)
+    core = make_core(tiny_model_dir, num_kv_blocks=12, max_num_batched_tokens=48,
+                     compile=compiled)
+    assert (core.runner.forward is not core.model) == compiled
     batch = [greedy_request(p, max_tokens=24) for p in prompts]
     together = run_to_completion(core, batch)
     assert core.scheduler.num_preemptions >= 1

@@ -1,0 +1,56 @@
+"""The torch.compile'd forward answers to the eager one and compiles only at warm-up."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from engine.compiled_forward import compile_forward
+from engine.forward_context import forward_context
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from tests.model_fixtures import build_metadata, build_tiny_llama_dir, positions_for
+
+BLOCK_SIZE = 4
+HEAD_DIM = 16  # the tiny model's: a batch of 16 tokens must not share its symbol
+
+
+def step_logits(forward, model, kv_caches, token_ids, seq_lens, query_lens, tables):
+    metadata = build_metadata(tables, seq_lens, query_lens, BLOCK_SIZE)
+    with torch.inference_mode(), forward_context(metadata):
+        hidden = forward(torch.tensor(token_ids), positions_for(seq_lens, query_lens),
+                         kv_caches)
+        return model.compute_logits(hidden)
+
+
+def test_compiled_logits_match_eager_over_prefill_and_decode_steps(tmp_path) -> None:
+    model = load_model(build_tiny_llama_dir(tmp_path), torch.float32, torch.device("cpu"))
+    compiled = compile_forward(model)
+    eager_runner = ModelRunner(model, 64, BLOCK_SIZE, torch.device("cpu"), torch.float32)
+    compiled_runner = ModelRunner(model, 64, BLOCK_SIZE, torch.device("cpu"), torch.float32)
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    steps = [  # (token ids, seq lens, query lens): prefills, then a mixed step, then decodes
+        ([5, 9, 11, 3, 7, 2, 8], [4, 3], [4, 3]),
+        ([4, 6, 12, 13, 14, 15], [5, 4, 4], [1, 1, 4]),
+        ([1, 2, 3], [6, 5, 5], [1, 1, 1]),
+        ([9], [7], [1]),
+    ]
+    for token_ids, seq_lens, query_lens in steps:
+        picked = tables[:len(seq_lens)]
+        want = step_logits(model, model, eager_runner.kv_caches, token_ids, seq_lens,
+                           query_lens, picked)
+        got = step_logits(compiled, model, compiled_runner.kv_caches, token_ids, seq_lens,
+                          query_lens, picked)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_after_warm_up_no_token_count_recompiles(tmp_path) -> None:
+    model = load_model(build_tiny_llama_dir(tmp_path), torch.float32, torch.device("cpu"),
+                       prepack=False)
+    runner = ModelRunner(model, 64, BLOCK_SIZE, torch.device("cpu"), torch.float32,
+                         compiled=True)
+    graphs_after_warm_up = counters["stats"]["unique_graphs"]
+    assert graphs_after_warm_up >= 2, "warm-up compiles a one-token and a many-token graph"
+    for num_tokens in (1, 3, HEAD_DIM, 64, 37):
+        runner._placeholder_step(num_tokens)
+    assert counters["stats"]["unique_graphs"] == graphs_after_warm_up
