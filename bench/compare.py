@@ -131,17 +131,18 @@ def _ms(value: float | None) -> str:
 def markdown_table(runs: list[Run]) -> str:
     lines = [
         "| target | concurrency | ok / failed | duration s | req/s | output tok/s "
-        "| total tok/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | TPOT p99 ms "
-        "| ITL p99 ms | E2E p50 ms | step p99 ms |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| total tok/s | TTFT p50 ms | TTFT mean ms | TTFT p99 ms | TPOT mean ms | TPOT p99 ms "
+        "| ITL p50 ms | ITL p99 ms | E2E p50 ms | step p99 ms |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for run in runs:
         m, step = run.result.metrics, run.result.step_time
         lines.append(
             f"| {run.target} | {run.concurrency} | {m.completed} / {m.failed} "
             f"| {m.duration_s:.1f} | {m.request_throughput:.2f} | {m.output_throughput:.1f} "
-            f"| {m.total_token_throughput:.1f} | {_ms(m.ttft_ms.mean)} | {_ms(m.ttft_ms.p99)} "
-            f"| {_ms(m.tpot_ms.mean)} | {_ms(m.tpot_ms.p99)} | {_ms(m.itl_ms.p99)} "
+            f"| {m.total_token_throughput:.1f} | {_ms(m.ttft_ms.median)} | {_ms(m.ttft_ms.mean)} "
+            f"| {_ms(m.ttft_ms.p99)} | {_ms(m.tpot_ms.mean)} | {_ms(m.tpot_ms.p99)} "
+            f"| {_ms(m.itl_ms.median)} | {_ms(m.itl_ms.p99)} "
             f"| {_ms(m.e2el_ms.median)} | {_ms(step.p99_ms if step else None)} |")
     return "\n".join(lines)
 
