@@ -58,18 +58,20 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len, const float*
 }
 
 constexpr int kMaxGroup = 16;
-constexpr int64_t kPrefetchAhead = 4;  // blocks: far enough to hide DRAM latency
+constexpr int64_t kPrefetchAhead = 4;
+constexpr int64_t kRequestsPerThread = 4;  // blocks: far enough to hide DRAM latency
 constexpr int kMaxDim = 256;
 
+// One request's first `num_task_heads` KV heads from `head` on.
 struct Task {
-  int64_t seq_len, head, group, num_kv_heads, block_size;
+  int64_t seq_len, head, num_task_heads, group, num_kv_heads, block_size;
   float scale;
 };
 
 // One (request, kv head): the scores of its `group` query heads over the context, softmax,
 // then the weighted sum of values. kDim > 0 fixes head_dim at compile time.
 template <typename T, int kDim>
-void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
                 std::vector<float>& tile) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
@@ -154,6 +156,18 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
       store(out + (a.head * group + g) * dim + d, acc[g][d] * inv_sums[g]);
 }
 
+template <typename T, int kDim>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
+                std::vector<float>& tile) {
+  for (int64_t h = a.head; h < a.head + a.num_task_heads; ++h) {
+    Task one = a;
+    one.head = h;
+    one.num_task_heads = 1;
+    decode_one_head<T, kDim>(q, k_cache, v_cache, table, dim_arg, one, out, scores, tile);
+  }
+}
+
 #if defined(__AVX512F__)
 // AVX-512: head_dim a multiple of 16 and the group fixed at compile time, so the scaled
 // query rows and the output accumulators stay in registers and each K/V row is loaded and
@@ -167,72 +181,88 @@ inline __m512 load16(const uint16_t* p) {
 template <typename T, int kDim, int kGroup>
 void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                      int64_t, const Task& a, T* out, std::vector<float>& scores,
-                     std::vector<float>&) {
+                     std::vector<float>& scratch) {
   constexpr int kVecs = kDim / 16;
-  const int64_t bs = a.block_size, len = a.seq_len;
+  constexpr int64_t kRow = kGroup * kDim;  // one KV head's query (or output) rows
+  const int64_t bs = a.block_size, len = a.seq_len, heads = a.num_task_heads;
   const int64_t block_elems = bs * kDim;
   const int64_t num_blocks = (len + bs - 1) / bs;
+  // The task's heads are adjacent in a block: [block][kv head][token][dim]. Walking blocks
+  // outermost reads the task's whole stretch of each block at once.
   auto block_ptr = [&](const T* cache, int64_t b) {
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  __m512 query[kGroup][kVecs];
-  for (int g = 0; g < kGroup; ++g)
-    for (int i = 0; i < kVecs; ++i)
-      query[g][i] = _mm512_mul_ps(load16(q + (a.head * kGroup + g) * kDim + 16 * i), scale);
-  scores.resize(kGroup * len);
+  const int64_t span = heads * block_elems * int64_t(sizeof(T));
+  scratch.resize(2 * heads * kRow);
+  float* query = scratch.data();  // [heads][kGroup][kDim], scaled
+  float* acc = query + heads * kRow;  // [heads][kGroup][kDim]
+  for (int64_t i = 0; i < heads * kRow; ++i) {
+    query[i] = to_float(q[a.head * kRow + i]) * a.scale;
+    acc[i] = 0.f;
+  }
+  scores.resize(heads * kGroup * len);
   float* s = scores.data();
+  std::vector<float> maxes(heads * kGroup, -INFINITY);
 
   for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(k_cache, b), block_elems * sizeof(T));
-  float maxes[kGroup];
-  for (int g = 0; g < kGroup; ++g) maxes[g] = -INFINITY;
+    prefetch(block_ptr(k_cache, b), span);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks)
-      prefetch(block_ptr(k_cache, b + kPrefetchAhead), block_elems * sizeof(T));
+    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(k_cache, b + kPrefetchAhead), span);
     const int64_t start = b * bs, count = std::min(bs, len - start);
-    const T* keys = block_ptr(k_cache, b);
-    for (int64_t t = 0; t < count; ++t) {
-      __m512 key[kVecs];
-      for (int i = 0; i < kVecs; ++i) key[i] = load16(keys + t * kDim + 16 * i);
-      for (int g = 0; g < kGroup; ++g) {
-        __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
-        for (int i = 1; i < kVecs; ++i) dot = _mm512_fmadd_ps(query[g][i], key[i], dot);
-        const float score = _mm512_reduce_add_ps(dot);
-        s[g * len + start + t] = score;
-        maxes[g] = std::max(maxes[g], score);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* keys = block_ptr(k_cache, b) + h * block_elems;
+      __m512 qv[kGroup][kVecs];
+      for (int g = 0; g < kGroup; ++g)
+        for (int i = 0; i < kVecs; ++i) qv[g][i] = _mm512_loadu_ps(query + h * kRow + g * kDim + 16 * i);
+      float* sh = s + h * kGroup * len;
+      float* mh = maxes.data() + h * kGroup;
+      for (int64_t t = 0; t < count; ++t) {
+        __m512 key[kVecs];
+        for (int i = 0; i < kVecs; ++i) key[i] = load16(keys + t * kDim + 16 * i);
+        for (int g = 0; g < kGroup; ++g) {
+          __m512 dot = _mm512_mul_ps(qv[g][0], key[0]);
+          for (int i = 1; i < kVecs; ++i) dot = _mm512_fmadd_ps(qv[g][i], key[i], dot);
+          const float score = _mm512_reduce_add_ps(dot);
+          sh[g * len + start + t] = score;
+          mh[g] = std::max(mh[g], score);
+        }
       }
     }
   }
 
   for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(v_cache, b), block_elems * sizeof(T));
-  float inv_sums[kGroup];
-  softmax_rows(s, kGroup, len, maxes, inv_sums);
+    prefetch(block_ptr(v_cache, b), span);
+  std::vector<float> inv_sums(heads * kGroup);
+  softmax_rows(s, heads * kGroup, len, maxes.data(), inv_sums.data());
 
-  __m512 acc[kGroup][kVecs];
-  for (int g = 0; g < kGroup; ++g)
-    for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks)
-      prefetch(block_ptr(v_cache, b + kPrefetchAhead), block_elems * sizeof(T));
+    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(v_cache, b + kPrefetchAhead), span);
     const int64_t start = b * bs, count = std::min(bs, len - start);
-    const T* values = block_ptr(v_cache, b);
-    for (int64_t t = 0; t < count; ++t) {
-      __m512 value[kVecs];
-      for (int i = 0; i < kVecs; ++i) value[i] = load16(values + t * kDim + 16 * i);
-      for (int g = 0; g < kGroup; ++g) {
-        const __m512 p = _mm512_set1_ps(s[g * len + start + t]);
-        for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(p, value[i], acc[g][i]);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* values = block_ptr(v_cache, b) + h * block_elems;
+      const float* sh = s + h * kGroup * len + start;
+      float* ah = acc + h * kRow;
+      __m512 av[kGroup][kVecs];
+      for (int g = 0; g < kGroup; ++g)
+        for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_loadu_ps(ah + g * kDim + 16 * i);
+      for (int64_t t = 0; t < count; ++t) {
+        __m512 value[kVecs];
+        for (int i = 0; i < kVecs; ++i) value[i] = load16(values + t * kDim + 16 * i);
+        for (int g = 0; g < kGroup; ++g) {
+          const __m512 p = _mm512_set1_ps(sh[g * len + t]);
+          for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_fmadd_ps(p, value[i], av[g][i]);
+        }
       }
+      for (int g = 0; g < kGroup; ++g)
+        for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(ah + g * kDim + 16 * i, av[g][i]);
     }
   }
-  alignas(64) float row[16];
-  for (int g = 0; g < kGroup; ++g)
-    for (int i = 0; i < kVecs; ++i) {
-      _mm512_store_ps(row, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sums[g])));
-      T* dst = out + (a.head * kGroup + g) * kDim + 16 * i;
-      for (int j = 0; j < 16; ++j) store(dst + j, row[j]);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int g = 0; g < kGroup; ++g) {
+      const float inv = inv_sums[h * kGroup + g];
+      const float* row = acc + h * kRow + g * kDim;
+      T* dst = out + a.head * kRow + h * kRow + g * kDim;
+      for (int64_t d = 0; d < kDim; ++d) store(dst + d, row[d] * inv);
     }
 }
 #endif
@@ -272,14 +302,18 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
             const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
             int64_t block_size, int64_t dim, float scale, T* out, int threads) {
   const DecodeOne<T> one = pick_decode_one<T>(dim, num_heads / num_kv_heads);
+  // Enough requests to share out: one task per request, its heads read block by block. Few:
+  // one task per (request, KV head), so every thread has work.
+  const int64_t task_heads = n >= kRequestsPerThread * threads ? num_kv_heads : 1;
+  const int64_t tasks_per_request = num_kv_heads / task_heads;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores, tile;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n * num_kv_heads; ++item) {
-      const int64_t r = item / num_kv_heads;
-      const Task a{seq_lens[r], item % num_kv_heads, num_heads / num_kv_heads, num_kv_heads,
-                   block_size, scale};
+    for (int64_t item = 0; item < n * tasks_per_request; ++item) {
+      const int64_t r = item / tasks_per_request;
+      const Task a{seq_lens[r], (item % tasks_per_request) * task_heads, task_heads,
+                   num_heads / num_kv_heads, num_kv_heads, block_size, scale};
       one(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride, dim, a,
           out + rows[r] * num_heads * dim, scores, tile);
     }
