@@ -213,7 +213,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
       const T* keys = block_ptr(k_cache, b) + h * block_elems;
       __m512 qv[kGroup][kVecs];
       for (int g = 0; g < kGroup; ++g)
-        for (int i = 0; i < kVecs; ++i) qv[g][i] = _mm512_loadu_ps(query + h * kRow + g * kDim + 16 * i);
+        for (int i = 0; i < kVecs; ++i)
+          qv[g][i] = _mm512_loadu_ps(query + h * kRow + g * kDim + 16 * i);
       float* sh = s + h * kGroup * len;
       float* mh = maxes.data() + h * kGroup;
       for (int64_t t = 0; t < count; ++t) {
