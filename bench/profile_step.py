@@ -33,9 +33,15 @@ from common.config import EngineConfig
 from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
-from engine import attention, cpu_decode_kernel, logits_processors, sampler
+from engine import (
+    attention,
+    cpu_decode_kernel,
+    cpu_elementwise_kernel,
+    fused_ops,
+    logits_processors,
+    sampler,
+)
 from engine.core import EngineCore
-from engine.models import llama
 
 CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
            "Python/other")
@@ -53,23 +59,24 @@ def _line_range(function: Callable) -> tuple[str, range]:
     return Path(inspect.getsourcefile(function) or "").name, range(first, first + len(lines))
 
 
-# Files whose every op and Python frame belongs to one class (the C++ decode kernel runs
-# inside a Python frame of cpu_decode_kernel.py, called through ctypes).
-FRAME_FILES: list[tuple[str, str]] = [
-    ("attention", Path(attention.__file__).name),
-    ("attention", Path(cpu_decode_kernel.__file__).name),
-    ("sampler", Path(sampler.__file__).name),
-    ("sampler", Path(logits_processors.__file__).name),
-]
-# The functions of ours whose ops belong to a class (residual adds go with the norms).
+# The functions of ours whose ops and own Python time belong to a class: the C++ kernels run
+# inside Python frames (called through ctypes), so those frames carry the kernels' time.
 SCOPES: list[tuple[str, str, range]] = [
     (op_class, *_line_range(function)) for op_class, function in (
-        ("norms", llama.RMSNorm.forward),
-        ("norms", llama.DecoderLayer.forward),
-        ("rope", llama.apply_rotary),
-        ("activation", llama.MLP.forward),
+        ("norms", fused_ops.rms_norm),
+        ("norms", fused_ops.add_rms_norm),
+        ("norms", cpu_elementwise_kernel.run_add_rms_norm),
+        ("rope", fused_ops.rotary),
+        ("rope", cpu_elementwise_kernel.run_rotary),
+        ("activation", fused_ops.silu_and_mul),
+        ("activation", cpu_elementwise_kernel.run_silu_and_mul),
     )
-] + [(op_class, file_name, range(1, 10**6)) for op_class, file_name in FRAME_FILES]
+] + [(op_class, Path(module.__file__).name, range(1, 10**6)) for op_class, module in (
+    ("attention", attention),
+    ("attention", cpu_decode_kernel),
+    ("sampler", sampler),
+    ("sampler", logits_processors),
+)]
 
 
 def is_python_frame(name: str) -> bool:
@@ -84,11 +91,20 @@ def python_callers(event: FunctionEvent) -> Iterator[str]:
         parent = parent.cpu_parent
 
 
+def scope_of(frame: str) -> str | None:
+    """The class of a Python frame "path/file.py(line): function", if one of SCOPES."""
+    file_part, _, _ = frame.partition(": ")
+    path, _, line = file_part.rstrip(")").rpartition("(")
+    if not line.isdigit():
+        return None
+    return next((op_class for op_class, file_name, lines in SCOPES
+                 if path.endswith(file_name) and int(line) in lines), None)
+
+
 def classify(event: FunctionEvent) -> str:
     name = event.name
     if is_python_frame(name):  # the interpreter's own time, or a ctypes kernel's
-        return next((op_class for op_class, file_name in FRAME_FILES
-                     if name.partition("(")[0].endswith(file_name)), "Python/other")
+        return scope_of(name) or "Python/other"
     if name in GEMM_OPS:
         return "GEMM"
     if name in KV_WRITE_OPS:
@@ -98,13 +114,7 @@ def classify(event: FunctionEvent) -> str:
     for marker, op_class in FUSED_KERNEL_MARKERS:
         if "cpp_fused" in name and marker in name:
             return op_class
-    for frame in python_callers(event):
-        file_part, _, _ = frame.partition(": ")
-        path, _, line = file_part.rstrip(")").rpartition("(")
-        for op_class, file_name, lines in SCOPES:
-            if path.endswith(file_name) and line.isdigit() and int(line) in lines:
-                return op_class
-    return "Python/other"
+    return next(filter(None, map(scope_of, python_callers(event))), "Python/other")
 
 
 @dataclass(slots=True)

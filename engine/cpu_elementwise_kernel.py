@@ -1,7 +1,8 @@
 """C++/OpenMP kernels for the decoder's elementwise ops on the CPU, fp32 or bf16, math in fp32:
-RMSNorm with the residual add fused in, and SiLU(gate) * up. One pass over each row instead
-of several torch ops (and their temporaries); built by `engine.cpp_build`, loaded through
-ctypes. `engine.fused_ops` is the boundary that picks these or torch ops.
+RMSNorm with the residual add fused in, SiLU(gate) * up, and rotary embeddings in place. One
+pass over each row instead of several torch ops (and their temporaries); built by
+`engine.cpp_build`, loaded through ctypes. `engine.fused_ops` is the boundary that picks these
+or torch ops.
 """
 
 from __future__ import annotations
@@ -61,7 +62,40 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width, int thr
   }
 }
 
+// In place on x [tokens, heads, dim] (rows `row_stride` apart): x * cos + rotate_half(x) * sin,
+// with rotate_half's sign folded into signed_sin ([-sin | sin]); cos, signed_sin [tokens, dim].
+template <typename T>
+void rotary(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t dim,
+            const T* cos, const T* signed_sin, int threads) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= kParallelElems)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos + t * dim;
+    const T* s = signed_sin + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + t * row_stride + h * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float first = to_float(v[i]), second = to_float(v[i + half]);
+        store(v + i, first * to_float(c[i]) + second * to_float(s[i]));
+        store(v + i + half, second * to_float(c[i + half]) + first * to_float(s[i + half]));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+extern "C" void loom_rotary(int is_bf16, void* x, int64_t row_stride, int64_t tokens,
+                            int64_t heads, int64_t dim, const void* cos, const void* signed_sin,
+                            int threads) {
+  if (is_bf16)
+    rotary(static_cast<uint16_t*>(x), row_stride, tokens, heads, dim,
+           static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(signed_sin), threads);
+  else
+    rotary(static_cast<float*>(x), row_stride, tokens, heads, dim,
+           static_cast<const float*>(cos), static_cast<const float*>(signed_sin), threads);
+}
 
 extern "C" void loom_add_rms_norm(int is_bf16, const void* src, void* residual,
                                   const void* weight, void* out, int64_t rows, int64_t hidden,
@@ -102,6 +136,9 @@ def load_elementwise() -> ctypes.CDLL | None:
     library.loom_add_rms_norm.restype = None
     library.loom_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, ctypes.c_int]
     library.loom_silu_and_mul.restype = None
+    library.loom_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr,
+                                    ctypes.c_int]
+    library.loom_rotary.restype = None
     return library
 
 
@@ -111,6 +148,11 @@ def kernel_supports(*tensors: torch.Tensor) -> bool:
                for t in tensors) and dtype in (torch.float32, torch.bfloat16)
 
 
+def rows_of_contiguous_heads(x: torch.Tensor) -> bool:
+    """x [tokens, heads, dim] whose heads are back to back inside each token's row."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def run_add_rms_norm(library: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None,
                      weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     hidden = x.shape[-1]
@@ -118,6 +160,13 @@ def run_add_rms_norm(library: ctypes.CDLL, x: torch.Tensor, residual: torch.Tens
         int(x.dtype == torch.bfloat16), x.data_ptr(),
         None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.numel() // hidden, hidden, eps, torch.get_num_threads())
+
+
+def run_rotary(library: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor,
+               signed_sin: torch.Tensor) -> None:
+    tokens, heads, dim = x.shape
+    library.loom_rotary(int(x.dtype == torch.bfloat16), x.data_ptr(), x.stride(0), tokens, heads,
+                        dim, cos.data_ptr(), signed_sin.data_ptr(), torch.get_num_threads())
 
 
 def run_silu_and_mul(library: ctypes.CDLL, gate_up: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
 """The decoder's elementwise ops behind one boundary: RMSNorm (optionally adding the residual
-first, as vLLM's fused_add_rms_norm does) and SiLU(gate) * up.
+first, as vLLM's fused_add_rms_norm does), SiLU(gate) * up, and rotary position embeddings.
 
 Eager on the CPU they run as one C++ pass each (`engine.cpu_elementwise_kernel`); while
 torch.compile traces, on other devices, or where the kernels cannot build, they are plain
@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from engine.cpu_elementwise_kernel import (
     kernel_supports,
     load_elementwise,
+    rows_of_contiguous_heads,
     run_add_rms_norm,
+    run_rotary,
     run_silu_and_mul,
 )
 
@@ -56,3 +58,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = gate_up.split(width, dim=-1)
     return F.silu(gate) * up
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (GPT-NeoX / HF) rotary on x [T, heads, D]; cos, signed_sin [T, 1, D], the
+    sign of rotate_half folded into signed_sin. Eager on the CPU x is rotated in place (its
+    heads may be a slice of a wider row, such as the q and k parts of a fused qkv output)."""
+    if _kernels_apply(cos, signed_sin) and x.dtype == cos.dtype and x.device.type == "cpu" \
+            and rows_of_contiguous_heads(x):
+        run_rotary(load_elementwise(), x, cos, signed_sin)
+        return x
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -60,3 +60,32 @@ def test_torch_ops_serve_where_the_kernels_are_off(monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(normed, F.rms_norm(x + residual, (8,), weight, 1e-6))
     torch.testing.assert_close(fused_ops.silu_and_mul(torch.cat((x, residual), -1)),
                                F.silu(x) * residual)
+
+
+def torch_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin, in float32."""
+    half = x.shape[-1] // 2
+    x, cos, sin = x.float(), cos.float(), signed_sin.float()[..., half:]
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * torch.cat((sin, sin), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rotary_rotates_the_q_and_k_slices_of_a_fused_qkv_row_in_place(
+    dtype: torch.dtype, tokens: int,
+) -> None:
+    torch.manual_seed(tokens)
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    angles = torch.rand(tokens, 1, dim // 2) * 6.0
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    want = torch_rotary(qk, cos, signed_sin)
+    got = fused_ops.rotary(qk, cos, signed_sin)
+    assert got.data_ptr() == qk.data_ptr(), "rotated in place"
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before), "v is left alone"

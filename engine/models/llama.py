@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import attend
-from engine.fused_ops import add_rms_norm, rms_norm, silu_and_mul
+from engine.fused_ops import add_rms_norm, rms_norm, rotary, silu_and_mul
 
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
@@ -243,14 +243,6 @@ def _dynamic_ntk_inv_freq(config: ModelConfig, positions: torch.Tensor) -> torch
     return (1.0 / base.float()[:, None] ** exponents).float()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (GPT-NeoX / HF) rotary on x [T, heads, D]; cos, signed_sin [T, 1, D].
-
-    HF's x * cos + rotate_half(x) * sin, with rotate_half's negation folded into the table.
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -283,7 +275,7 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
-        qk = apply_rotary(qk, cos, signed_sin)
+        qk = rotary(qk, cos, signed_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
