@@ -39,7 +39,10 @@ def configure_inductor() -> None:
 
 
 def compile_forward(model: torch.nn.Module) -> Forward:
+    """A server compiles one model; a process that builds several (tests, benchmarks) starts
+    each from empty dynamo caches, or the same forward code would hit its recompile limit."""
     configure_inductor()
+    torch._dynamo.reset()
     return torch.compile(model, fullgraph=True)
 
 
