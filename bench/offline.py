@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.config import EngineConfig
+from common.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
@@ -136,7 +136,8 @@ def main() -> None:
     parser.add_argument("--single-prompts", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=100)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     parser.add_argument("--kv-cache-memory", type=int, default=None)
     parser.add_argument("--modes", default="continuous,static,seqs1")
     parser.add_argument("--seed", type=int, default=0)
