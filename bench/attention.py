@@ -105,7 +105,7 @@ def bench(config: Config, dtype: torch.dtype, repeats: int) -> dict[str, float]:
         return paged_attention(s.q, s.k, s.v, s.k_cache, s.v_cache, metadata, scale)
 
     def plan() -> None:  # the torch path's whole per-step plan (with decode buckets)
-        s.build().head_plan(NUM_KV_HEADS, BLOCK_SIZE, gather_decodes=True)
+        s.build().head_plan(NUM_KV_HEADS, BLOCK_SIZE, kernel=False)
 
     figures = {"reference": median_ms(reference, max(3, repeats // 4))}
     use_cpp = attention.CPP_DECODE

@@ -95,7 +95,7 @@ def served(target: Target, log_dir: Path) -> Iterator[str]:
     if target.peer_command is not None:
         print(f"[compare] starting {target.name}: {target.peer_command}", file=sys.stderr,
               flush=True)
-        with PeerServer(target.peer_command, log_dir=log_dir) as peer:
+        with PeerServer(command=target.peer_command, log_dir=log_dir) as peer:
             yield peer.base_url
         return
     print(f"[compare] starting {target.name}: launch.py {shlex.join(target.launch_args)}",

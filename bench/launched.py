@@ -1,4 +1,5 @@
-"""A Loom server started the way a user starts it (`python launch.py ...`), on a free port."""
+"""A Loom server started the way a user starts it (`python launch.py ...`), on a free port,
+and the process plumbing other servers started by a benchmark share (bench.peer)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import IO, ClassVar, Self
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600.0
@@ -62,13 +64,16 @@ def status_kib(pid: int, field_name: str) -> int | None:
     return None
 
 
-@dataclass
-class LoomServer:
-    launch_args: list[str] = field(default_factory=list)
+@dataclass(kw_only=True)
+class ServerProcess:
+    """A server process of ours on a free port: its log in a file, started until ready,
+    stopped by signal (SIGKILL when SIGTERM takes too long), a context manager."""
+
     port: int = field(default_factory=free_port)
     log_dir: Path | None = None  # None: a fresh temporary directory
     process: subprocess.Popen | None = None
     log_path: Path | None = None
+    log_name: ClassVar[str] = "server"
 
     @property
     def base_url(self) -> str:
@@ -78,14 +83,20 @@ class LoomServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
-    def start(self, timeout_s: float = READY_TIMEOUT_S) -> LoomServer:
+    def spawn(self, log: IO[bytes]) -> subprocess.Popen:
+        raise NotImplementedError
+
+    def is_ready(self) -> bool:
+        raise NotImplementedError
+
+    def send(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> Self:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="loom-bench-"))
-        self.log_path = log_dir / f"launch-{self.port}.log"
+        self.log_path = log_dir / f"{self.log_name}-{self.port}.log"
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "launch.py", "--host", "127.0.0.1", "--port", str(self.port),
-                 *self.launch_args],
-                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+            self.process = self.spawn(log)
         try:
             self._wait_ready(timeout_s)
         except BaseException:
@@ -97,28 +108,53 @@ class LoomServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"launch.py exited with {self.process.returncode}:\n"
+                raise RuntimeError(f"{self.log_name} exited with {self.process.returncode}:\n"
                                    f"{self._log_tail()}")
-            if READY_MARK in self.log:
+            if self.is_ready():
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"launch.py not ready in {timeout_s:.0f} s:\n{self._log_tail()}")
+        raise TimeoutError(f"{self.log_name} not ready in {timeout_s:.0f} s:\n"
+                           f"{self._log_tail()}")
 
     def _log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.splitlines()[-lines:])
 
     def stop(self) -> int | None:
-        """SIGTERM (launch drains and stops both children), SIGKILL if that takes too long."""
         if self.process is None:
             return None
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.send(signal.SIGTERM)
             try:
                 self.process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.process.kill()  # its children die with it (PR_SET_PDEATHSIG)
+                self.send(signal.SIGKILL)
                 self.process.wait()
         return self.process.returncode
+
+    def __enter__(self) -> Self:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.stop()
+
+
+@dataclass
+class LoomServer(ServerProcess):
+    """launch.py drains and stops both children on SIGTERM; they die with it on SIGKILL
+    (PR_SET_PDEATHSIG)."""
+
+    launch_args: list[str] = field(default_factory=list)
+    log_name: ClassVar[str] = "launch"
+
+    def spawn(self, log: IO[bytes]) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "launch.py", "--host", "127.0.0.1", "--port", str(self.port),
+             *self.launch_args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def is_ready(self) -> bool:
+        return READY_MARK in self.log
 
     def child(self, role: str) -> int:
         """The PID of the engine or frontend process this launch.py started."""
@@ -126,10 +162,3 @@ class LoomServer:
             return children_by_role(self.process.pid)[role]
         except KeyError:
             raise LookupError(f"no {role} child of launch.py") from None
-
-    def __enter__(self) -> LoomServer:
-        return self.start() if self.process is None else self
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
-        self.stop()

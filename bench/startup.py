@@ -1,6 +1,7 @@
 """Start-up and single-request figures, measured through launch.py the way a user starts Loom.
 
     python -m bench.startup [--dtype float32] [--cold] [--output-len 128]
+        [--launch-args="--compile"]
 
 Reports time to READY (engine) and to serving (frontend answering /health), single-request
 decode tok/s over a streamed completion, and the peak RSS (VmHWM) of each process.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--launch-args", default="",
+                        help='more launch.py flags, one string (--launch-args="--compile")')
     args = parser.parse_args()
     env = dict(os.environ)
     if args.cold:
@@ -56,7 +60,8 @@ def main() -> None:
     port = free_port()
     started = time.perf_counter()
     process = subprocess.Popen(
-        [sys.executable, "launch.py", "--port", str(port), "--dtype", args.dtype],
+        [sys.executable, "launch.py", "--port", str(port), "--dtype", args.dtype,
+         *shlex.split(args.launch_args)],
         cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
     engine_ready = serving = None
     for line in process.stderr:
@@ -74,7 +79,8 @@ def main() -> None:
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
-    print(f"dtype {args.dtype}, {'cold' if args.cold else 'warm'} cache")
+    print(f"dtype {args.dtype}, {'cold' if args.cold else 'warm'} cache, launch.py "
+          f"{args.launch_args or '(defaults)'}")
     print(f"engine READY after {engine_ready:.1f} s, serving after {serving:.1f} s")
     print(f"single request: {rate:.1f} decode tok/s over {args.output_len} tokens, "
           f"TTFT {ttft * 1000:.0f} ms")
