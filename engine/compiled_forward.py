@@ -6,9 +6,11 @@
 - Freezing: weights become constants and inductor prepacks the linears it finds.
 - The token count varies per step: a lone decode (one token) gets a static graph, every other
   count one dynamic graph; `warm_up` compiles both before the engine says READY.
-- Inductor's caches live under $LOOM_CACHE/inductor. In torch 2.13 a frozen graph bypasses the
-  FX graph cache, so every start recompiles (about 25 s per graph on 2 cores): this is why
-  compiling is opt-in (`--compile`).
+- Inductor's caches live under $LOOM_CACHE/inductor. In torch 2.13 a graph whose frozen
+  weights inductor has prepacked for oneDNN bypasses the FX graph cache ("mkldnn tensors
+  unpickleable"), so every start recompiles (about 20 s per graph on 2 cores); without the
+  prepacking the GEMMs lose what makes compiling worth it. Hence compiling is opt-in
+  (`--compile`): the eager path prepacks the same way and starts in seconds.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ and torch version, and loaded through ctypes by the kernel modules."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -15,6 +17,8 @@ from pathlib import Path
 import torch
 
 from common.default_model import default_cache_dir
+
+logger = logging.getLogger(__name__)
 
 CPP_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
              "-std=c++17"]
@@ -58,6 +62,16 @@ inline float fast_exp(float x) {
 
 }  // namespace
 """
+
+
+def load_library(name: str, source: str, fallback: str) -> ctypes.CDLL | None:
+    """Build (once, cached on disk) and load; None, with one warning naming `fallback`, when
+    the library cannot be built here."""
+    try:
+        return ctypes.CDLL(str(compiled_library(name, source)))
+    except (OSError, subprocess.SubprocessError) as error:
+        logger.warning("C++ %s kernels unavailable, using %s: %s", name, fallback, error)
+        return None
 
 
 def compiled_library(name: str, source: str) -> Path:

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, compiled_library
+from engine.cpp_build import CPP_NUMERICS, load_library
 
 if TYPE_CHECKING:
     from engine.attention import DecodeBatch
-
-logger = logging.getLogger(__name__)
 
 # Plain C++ (no torch headers: it compiles in seconds). One OpenMP task per (request, kv
 # head) reads that head's blocks straight from the paged cache, a few blocks prefetched ahead,
@@ -383,10 +379,8 @@ def run_paged_decode(
 @functools.cache
 def load_cpp_decode() -> ctypes._CFuncPtr | None:
     """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
-    try:
-        library = ctypes.CDLL(str(compiled_library("paged_decode", CPP_SOURCE)))
-    except (OSError, subprocess.SubprocessError) as error:
-        logger.warning("C++ paged-decode kernel unavailable, using the torch path: %s", error)
+    library = load_library("paged_decode", CPP_SOURCE, "the torch path")
+    if library is None:
         return None
     kernel = library.loom_paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, compiled_library
-
-logger = logging.getLogger(__name__)
+from engine.cpp_build import CPP_NUMERICS, load_library
 
 CPP_SOURCE = CPP_NUMERICS + r"""
 namespace {
@@ -125,10 +121,8 @@ extern "C" void loom_silu_and_mul(int is_bf16, const void* gate_up, void* out, i
 @functools.cache
 def load_elementwise() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
-    try:
-        library = ctypes.CDLL(str(compiled_library("elementwise", CPP_SOURCE)))
-    except (OSError, subprocess.SubprocessError) as error:
-        logger.warning("C++ elementwise kernels unavailable, using torch ops: %s", error)
+    library = load_library("elementwise", CPP_SOURCE, "torch ops")
+    if library is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.loom_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64,
