@@ -30,8 +30,10 @@ from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model, tiny_server
 pytestmark = pytest.mark.e2e
 
 DETECTION_LIMIT_S = 2.0
-# Long enough for the short requests to finish on a busy 2-core machine (steps of ~0.2 s).
-SHUTDOWN_TIMEOUT_S = 8
+# Long enough for the short requests (8 tokens) to finish on a busy 2-core machine (steps of
+# ~0.2 s), short enough that the long ones (2000 tokens, ~10 s at ~5 ms per step unloaded)
+# cannot: at 8 s a faster engine finished them inside the drain now and then.
+SHUTDOWN_TIMEOUT_S = 5
 
 
 def body(max_tokens: int, stream: bool = True) -> dict:
