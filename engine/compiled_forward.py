@@ -49,11 +49,10 @@ def compile_forward(model: torch.nn.Module) -> Forward:
 
 
 def timed_warm_up(run_step: Callable[[int], None], token_counts: tuple[int, ...] = (1, 2),
-                  ) -> float:
-    """Runs one step per token count (each compiles its graph); returns the seconds taken."""
+                  ) -> None:
+    """Runs one step per token count (each compiles its graph) and logs how long it took."""
     started = time.perf_counter()
     for count in token_counts:
         run_step(count)
-    elapsed = time.perf_counter() - started
-    logger.info("compiled the forward for %s tokens in %.1f s", token_counts, elapsed)
-    return elapsed
+    logger.info("compiled the forward for %s tokens in %.1f s", token_counts,
+                time.perf_counter() - started)

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from engine.attention import DecodeBatch
 
 # Plain C++ (no torch headers: it compiles in seconds). One OpenMP task per (request, kv
-# head) reads that head's blocks straight from the paged cache, a few blocks prefetched ahead,
+# head), or per request when there are enough requests, reads its blocks straight from the
+# paged cache, a few blocks prefetched ahead,
 # and keeps scores, softmax and accumulators in fp32. Where the CPU has AVX-512, head_dim 64
 # and 128 with up to 8 query heads per KV head take a path with the query and accumulators
 # in registers; elsewhere the compiler vectorizes the plain loops.
@@ -54,8 +55,8 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len, const float*
 }
 
 constexpr int kMaxGroup = 16;
-constexpr int64_t kPrefetchAhead = 4;
-constexpr int64_t kRequestsPerThread = 4;  // blocks: far enough to hide DRAM latency
+constexpr int64_t kPrefetchAhead = 4;  // blocks: far enough to hide DRAM latency
+constexpr int64_t kRequestsPerThread = 4;  // from this many on, one task per request
 constexpr int kMaxDim = 256;
 
 // One request's first `num_task_heads` KV heads from `head` on.
@@ -68,8 +69,8 @@ struct Task {
 // then the weighted sum of values. kDim > 0 fixes head_dim at compile time.
 template <typename T, int kDim>
 void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
-                std::vector<float>& tile) {
+                     int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
+                     std::vector<float>& tile) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
   const int64_t bs = a.block_size, group = a.group, len = a.seq_len;
   const int64_t block_elems = bs * dim;
@@ -189,16 +190,19 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
   const int64_t span = heads * block_elems * int64_t(sizeof(T));
-  scratch.resize(2 * heads * kRow);
+  // The thread's reused scratch: no allocation per task.
+  scratch.resize(2 * heads * kRow + 2 * heads * kGroup);
   float* query = scratch.data();  // [heads][kGroup][kDim], scaled
   float* acc = query + heads * kRow;  // [heads][kGroup][kDim]
+  float* maxes = acc + heads * kRow;  // [heads][kGroup]
+  float* inv_sums = maxes + heads * kGroup;  // [heads][kGroup]
   for (int64_t i = 0; i < heads * kRow; ++i) {
     query[i] = to_float(q[a.head * kRow + i]) * a.scale;
     acc[i] = 0.f;
   }
+  std::fill(maxes, maxes + heads * kGroup, -INFINITY);
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
-  std::vector<float> maxes(heads * kGroup, -INFINITY);
 
   for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
     prefetch(block_ptr(k_cache, b), span);
@@ -212,7 +216,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
         for (int i = 0; i < kVecs; ++i)
           qv[g][i] = _mm512_loadu_ps(query + h * kRow + g * kDim + 16 * i);
       float* sh = s + h * kGroup * len;
-      float* mh = maxes.data() + h * kGroup;
+      float* mh = maxes + h * kGroup;
       for (int64_t t = 0; t < count; ++t) {
         __m512 key[kVecs];
         for (int i = 0; i < kVecs; ++i) key[i] = load16(keys + t * kDim + 16 * i);
@@ -229,8 +233,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
 
   for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
     prefetch(block_ptr(v_cache, b), span);
-  std::vector<float> inv_sums(heads * kGroup);
-  softmax_rows(s, heads * kGroup, len, maxes.data(), inv_sums.data());
+  softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
 
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(v_cache, b + kPrefetchAhead), span);
