@@ -42,6 +42,7 @@ from engine import (
     sampler,
 )
 from engine.core import EngineCore
+from engine.loader import cpu_flags
 
 CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
            "Python/other")
@@ -240,9 +241,7 @@ def main() -> None:
                                         args.prefill, max(3, args.steps // 5), rng).row())
             print(rows[-1], file=sys.stderr, flush=True)
         del core
-    flags = sorted({flag for flag in ("avx512_bf16", "amx_bf16", "avx512f", "avx2")
-                    if flag in Path("/proc/cpuinfo").read_text()}) if Path(
-                        "/proc/cpuinfo").exists() else []
+    flags = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"flags: {' '.join(flags) or 'unknown'}, torch {torch.__version__}, "
           f"dtype {args.dtype}, context {args.context} tokens; ms per step (share)\n")

@@ -127,12 +127,16 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (the first "flags" line); empty where they cannot be read."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
