@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from frontend.errors import APIError, invalid_param
@@ -22,7 +23,35 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise APIError("The request body nests JSON too deeply.") from exc
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
+    field = _field_with_lone_surrogate(body)
+    if field is not None:
+        raise invalid_param(field, f"'{field}' holds a lone UTF-16 surrogate (such as "
+                            "\\ud800): valid JSON, but not text that can be encoded.")
     return body
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _field_with_lone_surrogate(body: dict[str, Any]) -> str | None:
+    """The path (`messages[0].content`) of a string holding a surrogate code point, which
+    JSON's \\uXXXX escapes can spell alone and no tokenizer can encode; a nested object
+    whose keys hold one counts as that object. (Top-level keys are names the API knows or
+    ignores.) The walk keeps its own stack: json.loads accepts nesting deeper than a
+    recursive walk could follow."""
+    stack: list[tuple[str, Any]] = list(body.items())
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            if any(_SURROGATE.search(name) for name in value):
+                return path
+            stack.extend((f"{path}.{name}", item) for name, item in value.items())
+    return None
 
 
 def _reject_constant(name: str) -> Any:

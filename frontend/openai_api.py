@@ -90,7 +90,6 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         int(time.time()),
         options.include_usage,
         logprobs=None if options.logprobs is None else ChatLogprobs(state.tokenizer.token_texts),
-        num_choices=options.n,
     )
     return await _generate(request, state, [prompt_ids], options, response_format, arrival)
 
@@ -162,12 +161,11 @@ async def _stream(
     finish_reasons: dict[int, str | None] = {}
     try:
         try:
-            for chunk in response_format.opening_chunks():
-                await events.send(chunk)
             deltas = merge([generation.deltas() for generation in generations])
             async with contextlib.aclosing(deltas):
                 async for index, delta in deltas:
-                    await events.send(response_format.delta_chunk(index, delta))
+                    first = index not in finish_reasons
+                    await events.send(response_format.delta_chunk(index, delta, first))
                     finish_reasons[index] = delta.finish_reason
             if response_format.include_usage:
                 usage = total_usage([generation.usage for generation in generations], n)

@@ -39,31 +39,30 @@ class CompletionFormat:
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return stream_chunk(self, "text_completion", choices)
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        if self.echo is None:
-            return []
-        return [self._chunk([self._choice(i, Delta(text))]) for i, text in enumerate(self.echo)]
-
-    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any]:
-        return self._chunk([self._choice(index, delta)])
+    def delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
+        """The echoed prompt, if asked for, rides on the choice's first chunk."""
+        return self._chunk([self._choice(index, self._echoed(index, delta) if first else delta)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._chunk([]) | {"usage": usage.to_dict()}
 
     def body(self, results: list[Delta], usage: Usage) -> dict[str, Any]:
-        if self.echo is not None:
-            results = [
-                Delta(prefix + result.text, result.finish_reason, result.logprobs)
-                for prefix, result in zip(self.echo, results, strict=True)
-            ]
         return {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [self._choice(index, result) for index, result in enumerate(results)],
+            "choices": [
+                self._choice(index, self._echoed(index, result))
+                for index, result in enumerate(results)
+            ],
             "usage": usage.to_dict(),
         }
+
+    def _echoed(self, index: int, delta: Delta) -> Delta:
+        if self.echo is None:
+            return delta
+        return Delta(self.echo[index] + delta.text, delta.finish_reason, delta.logprobs)
 
     def _choice(self, index: int, delta: Delta) -> dict[str, Any]:
         return {
@@ -81,21 +80,17 @@ class ChatFormat:
     created: int
     include_usage: bool = False
     logprobs: ChatLogprobs | None = None
-    num_choices: int = 1
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return stream_chunk(self, "chat.completion.chunk", choices)
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        opening = {"role": "assistant", "content": ""}
-        return [
-            self._chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}])
-            for i in range(self.num_choices)
-        ]
-
-    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any]:
-        content = {"content": delta.text} if delta.text else {}
-        return self._chunk([self._choice(index, "delta", content, delta)])
+    def delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
+        """A choice's role rides on its first chunk, with its first token: a client that
+        times the first chunk (as `vllm bench serve` does) then measures the real TTFT."""
+        if first:
+            return self._chunk([self._choice(index, "delta", _assistant(delta.text), delta)])
+        message = {"content": delta.text} if delta.text else {}
+        return self._chunk([self._choice(index, "delta", message, delta)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._chunk([]) | {"usage": usage.to_dict()}

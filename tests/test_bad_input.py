@@ -88,6 +88,18 @@ CASES = [
          completion(prompt=[1, 10**9]), param="prompt"),
     Case("prompt over the context", COMPLETIONS, completion(prompt=" hello" * 3000),
          code="context_length_exceeded"),
+    # valid JSON, not valid Unicode: a lone surrogate (json.dumps writes it as \ud800)
+    Case("lone surrogate in the prompt", COMPLETIONS, completion(prompt="\ud800"),
+         param="prompt"),
+    Case("lone surrogate in chat content", CHAT,
+         chat(messages=[{"role": "user", "content": "a\udc80b"}]), param="messages[0].content"),
+    Case("lone surrogate in streamed chat content", CHAT,
+         chat(messages=[{"role": "user", "content": "\ud800"}], stream=True),
+         param="messages[0].content"),
+    Case("lone surrogate in a tokenize prompt", "/tokenize", {"prompt": "a\udc80b"},
+         param="prompt"),
+    Case("lone surrogate in a stop string", COMPLETIONS, completion(stop=["ok", "\ud800"]),
+         param="stop[1]"),
     # max_tokens and n
     Case("max_tokens negative", COMPLETIONS, completion(max_tokens=-5), param="max_tokens"),
     Case("max_tokens zero", CHAT, chat(max_tokens=0), param="max_tokens"),
@@ -176,6 +188,44 @@ def test_bad_input_gets_an_openai_error(server: LaunchedServer, case: Case) -> N
         assert error["code"] == case.code
     if status == 401:
         assert headers.get("WWW-Authenticate") == "Bearer"
+    assert_serves_normally(server)
+
+
+SURROGATE_SWEEP = {
+    CHAT: chat(messages=[{"role": "system", "content": "Be brief.", "name": "rules"},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+               stop=["a", "b"], user="someone", stream=True),
+    COMPLETIONS: completion(prompt=["Hi", "Ho"], stop="a", suffix="x", user="someone",
+                            stream=True),
+    "/tokenize": {"model": TINY_MODEL_NAME, "messages": USER},
+}
+
+
+def string_fields(value: Any, path: str = "") -> Iterator[tuple[str, list[Any], Any]]:
+    """(path, container, key) of every string in a JSON body."""
+    items = enumerate(value) if isinstance(value, list) else value.items()
+    for key, item in items:
+        here = f"{path}[{key}]" if isinstance(value, list) else (
+            f"{path}.{key}" if path else key)
+        if isinstance(item, str):
+            yield here, value, key
+        elif isinstance(item, list | dict):
+            yield from string_fields(item, here)
+
+
+@pytest.mark.parametrize("path", list(SURROGATE_SWEEP))
+def test_a_lone_surrogate_in_any_string_field_is_a_400(server: LaunchedServer,
+                                                       path: str) -> None:
+    template = SURROGATE_SWEEP[path]
+    names = [name for name, _, _ in string_fields(template)]
+    assert len(names) >= 3
+    for name in names:
+        body = json.loads(json.dumps(template))
+        _, container, key = next(found for found in string_fields(body) if found[0] == name)
+        container[key] = "x\ud800y"
+        status, _, raw = send(server, "POST", path, body, AUTH)
+        assert status == 400, (name, raw[:300])
+        assert json.loads(raw)["error"]["param"] == name
     assert_serves_normally(server)
 
 

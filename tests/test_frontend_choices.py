@@ -77,15 +77,14 @@ async def test_chat_n_streaming_with_usage(harness: FrontendHarness) -> None:
         },
     )
     chunks = parse_sse(await response.text())
-    openings = chunks[:2]
-    assert [c["choices"][0]["index"] for c in openings] == [0, 1]
-    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in openings)
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
-    content_chunks = chunks[2:-1]
+    content_chunks = chunks[:-1]
     assert all(len(c["choices"]) == 1 and c["usage"] is None for c in content_chunks)
     for index in (0, 1):
         mine = [c["choices"][0] for c in content_chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[0]["delta"]["content"]
+        assert all("role" not in choice["delta"] for choice in mine[1:])
         assert "".join(choice["delta"].get("content", "") for choice in mine) == ANSWERS[index]
         assert [choice["finish_reason"] for choice in mine][-1] == "stop"
         assert all(choice["finish_reason"] is None for choice in mine[:-1])
@@ -153,7 +152,9 @@ async def test_echo_streaming(harness: FrontendHarness) -> None:
         COMPLETIONS, json={"prompt": "Hello world!", "echo": True, "stream": True}
     )
     chunks = parse_sse(await response.text())
-    assert chunks[0]["choices"][0]["text"] == "Hello world!"
+    first = chunks[0]["choices"][0]["text"]
+    assert first.startswith("Hello world!") and len(first) > len("Hello world!"), (
+        "the echo rides on the first token's chunk")
     assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello world! Paris."
 
 

@@ -127,5 +127,5 @@ def test_echo_of_a_token_id_prompt(client: openai.OpenAI, tokenizer: Any) -> Non
     whole = client.completions.create(**request, temperature=0).choices[0].text
     assert whole.startswith(MIXED)
     streamed = list(client.completions.create(**request, temperature=0, stream=True))
-    assert streamed[0].choices[0].text == MIXED
+    assert streamed[0].choices[0].text.startswith(MIXED)  # with the first token
     assert "".join(chunk.choices[0].text for chunk in streamed) == whole
