@@ -38,6 +38,7 @@ from bench.datasets import (
     SampleRequest,
     build_dataset,
     chat_messages,
+    write_prompts,
 )
 from bench.metrics import (
     BenchmarkMetrics,
@@ -471,6 +472,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, metavar="DIR",
                         help="write PNG plots (latency CDFs, throughput, concurrency) here")
+    parser.add_argument("--export-prompts", type=Path, default=None, metavar="FILE",
+                        help="write the drawn workload as JSON lines (read by --prompts-file "
+                             "and by vllm bench serve --dataset-name custom) and exit")
     add_workload_args(parser)
     add_request_args(parser)
     return parser.parse_args(argv)
@@ -481,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = BenchTokenizer.load(args.tokenizer or default_tokenizer_dir(args.model))
     spec = dataset_spec(args)
     samples = build_dataset(spec, tokenizer)
+    if args.export_prompts:
+        write_prompts(samples, args.export_prompts, spec.chat)
+        print(f"wrote {len(samples)} prompts to {args.export_prompts}", file=sys.stderr)
+        return 0
     model = args.model if args.model and not Path(args.model).is_dir() else None
     config = serve_config(args, args.base_url, model, args.max_concurrency)
     result = asyncio.run(run_benchmark(config, spec, samples, tokenizer))

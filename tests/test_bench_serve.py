@@ -159,3 +159,24 @@ def test_slo_and_histogram_parsing() -> None:
     assert view.buckets == [(0.01, 4), (math.inf, 6)]
     assert view.p50_ms == pytest.approx(10.0)  # the +Inf bucket reports its lower bound
     assert histogram_view(None, parse_prometheus("loom:other 1\n")) is None
+
+
+def test_exported_prompts_replay_as_the_same_workload(tiny_model: str,
+                                                      tokenizer: BenchTokenizer,
+                                                      tmp_path: Path) -> None:
+    source = tmp_path / "source.jsonl"
+    source.write_text(json.dumps({"kind": "chat", "prompt": "Say hi.", "system": "Be terse."})
+                      + "\n" + json.dumps({"kind": "chat", "prompt": "Count to 3."}) + "\n")
+    exported = tmp_path / "exported.jsonl"
+    subprocess.run([sys.executable, "-m", "bench.serve", "--tokenizer", tiny_model,
+                    "--dataset", "prompts", "--prompts-file", str(source), "--num-prompts", "2",
+                    "--output-len", "7", "--endpoint", CHAT_ENDPOINT,
+                    "--export-prompts", str(exported)], check=True, cwd=REPO_ROOT)
+    lines = [json.loads(line) for line in exported.read_text().splitlines()]
+    # What vllm bench serve's custom dataset reads: the system message folded into the prompt.
+    assert sorted(line["prompt"] for line in lines) == ["Be terse.\n\nSay hi.", "Count to 3."]
+    assert all(line["output_tokens"] == 7 and line["kind"] == "chat" for line in lines)
+    replayed = build_dataset(DatasetSpec("prompts", num_prompts=2, prompts_file=exported,
+                                         chat=True), tokenizer)
+    assert sorted(sample.prompt for sample in replayed) == sorted(line["prompt"] for line in lines)
+    assert all(sample.system is None for sample in replayed)

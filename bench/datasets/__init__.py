@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.datasets.prompts_file import prompts_requests
+from bench.datasets.prompts_file import prompts_requests, write_prompts
 from bench.datasets.random_tokens import random_requests
 from bench.datasets.sample import DEFAULT_PROMPTS_FILE, DatasetSpec, SampleRequest
 from bench.datasets.shared_prefix import shared_prefix_requests
@@ -24,4 +24,4 @@ def build_dataset(spec: DatasetSpec, tokenizer: BenchTokenizer) -> list[SampleRe
 
 
 __all__ = ["DATASETS", "DEFAULT_PROMPTS_FILE", "BenchTokenizer", "DatasetSpec",
-           "SampleRequest", "build_dataset", "chat_messages"]
+           "SampleRequest", "build_dataset", "chat_messages", "write_prompts"]

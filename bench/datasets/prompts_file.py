@@ -3,6 +3,10 @@
 Each line: {"kind": "chat" | "completion", "prompt": "...", "system": "..." (optional)}.
 With --input-len the N prompts whose lengths lie nearest it are used; a file with fewer
 prompts than asked for is cycled.
+
+`write_prompts` exports a drawn workload in a shape both this loader and `vllm bench serve
+--dataset-name custom` read (a "prompt" and an "output_tokens" per line), so the two tools
+can be pointed at the same requests.
 """
 
 from __future__ import annotations
@@ -64,3 +68,15 @@ def prompts_requests(spec: DatasetSpec, tokenizer: BenchTokenizer) -> list[Sampl
     return [SampleRequest(prompt, length, draw_length(rng, spec.output_len, spec.range_ratio),
                           system)
             for prompt, system, length in chosen]
+
+
+def write_prompts(samples: list[SampleRequest], path: Path, chat: bool) -> None:
+    """One line per sample; a chat sample's system message goes before its prompt, since
+    vLLM's custom dataset sends the prompt as the lone user message."""
+    with open(path, "w", encoding="utf-8") as out:
+        for sample in samples:
+            prompt = (sample.prompt if sample.system is None
+                      else f"{sample.system}\n\n{sample.prompt}")
+            record = {"kind": "chat" if chat else "completion", "prompt": prompt,
+                      "output_tokens": sample.output_len}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
