@@ -11,6 +11,7 @@ DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
 # W1 on a 2-core AVX512-BF16 CPU (docs/benchmarks.md): 1024 gave TTFT p50 18-21% lower than
 # 2048 and 4096 at concurrency 32 and 64, with the same throughput and ITL p50.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 
 
 @dataclass(slots=True)
@@ -32,6 +33,8 @@ class EngineConfig:
     seed: int = 0
     compile: bool = False  # torch.compile the forward (engine.compiled_forward)
     enforce_eager: bool = False  # vLLM's flag: never compile, whatever `compile` says
+    quantization: str = "auto"  # auto | none | int8 | int4 | w8a8 (engine.quantized_linear)
+    quantization_group_size: int = 32  # int4: input channels per scale and zero
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -47,6 +50,19 @@ class EngineConfig:
                              f"not {self.scheduling_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"not {self.quantization!r}")
+        if self.quantization_group_size < 1:
+            raise ValueError("quantization_group_size must be positive")
+        if self.compiled and self.weight_quantization != "none":
+            raise ValueError("--compile serves float weights only: drop --quantization or "
+                             "--compile")
+
+    @property
+    def weight_quantization(self) -> str:
+        """What the linears hold: `auto` keeps the checkpoint's own (float, for safetensors)."""
+        return "none" if self.quantization == "auto" else self.quantization
 
     @property
     def compiled(self) -> bool:
@@ -79,6 +95,8 @@ class EngineConfig:
             seed=args.seed,
             compile=args.compile,
             enforce_eager=args.enforce_eager,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
         )
 
 
@@ -109,3 +127,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "for ~1 min at every start")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="never compile the forward (the default; wins over --compile)")
+    engine.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
+                        help="weights quantized at load: int8 / int4 weight-only, w8a8 (int8 "
+                             "weights and per-token int8 activations); auto: as the checkpoint "
+                             "holds them")
+    engine.add_argument("--quantization-group-size", type=int, default=32,
+                        help="int4: input channels sharing one scale and zero (default 32)")

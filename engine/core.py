@@ -16,7 +16,7 @@ from common.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRAC
 from common.protocol import AddRequest, Ready, RequestOutput, StepOutputs, StepStats
 from engine.attention import load_cpp_decode
 from engine.block_manager import BlockManager
-from engine.loader import choose_dtype, load_model
+from engine.loader import choose_dtype, load_model, weight_bytes
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.request import Request
 from engine.sampler import Sampler
@@ -29,6 +29,25 @@ def choose_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _quantization_text(config: EngineConfig) -> str:
+    method = config.weight_quantization
+    if method == "none":
+        return "not quantized"
+    group = f", groups of {config.quantization_group_size}" if method == "int4" else ""
+    return f"{method} linears{group}"
+
+
+def _rss_text() -> str:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return f"{int(line.split()[1]) / 1024:.0f} MiB"
+    except OSError:
+        pass
+    return "unknown"
 
 
 @dataclass(slots=True)
@@ -45,7 +64,11 @@ class EngineCore:
         self.dtype = choose_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
-                                prepack=not config.compiled)
+                                prepack=not config.compiled,
+                                quantization=config.weight_quantization,
+                                group_size=config.quantization_group_size)
+        logger.info("weights: %.1f MiB (%s, %s); engine RSS %s", weight_bytes(self.model) / 2**20,
+                    self.dtype, _quantization_text(config), _rss_text())
         model_config = self.model.config
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
         limit = model_config.max_exact_len

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from engine.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
+from engine.quantized_linear import DEFAULT_GROUP_SIZE, quantize_linears
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -28,9 +29,11 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
-               prepack: bool = True) -> LlamaForCausalLM:
-    """The model on `device`, its linears prepacked where that pays (engine.linear); a model
-    that torch.compile will freeze keeps plain ones (inductor packs those itself)."""
+               prepack: bool = True, quantization: str = "none",
+               group_size: int = DEFAULT_GROUP_SIZE) -> LlamaForCausalLM:
+    """The model on `device`, its linears quantized if asked (engine.quantized_linear), else
+    prepacked where that pays (engine.linear); a model that torch.compile will freeze keeps
+    plain ones (inductor packs those itself)."""
     directory = Path(model_dir)
     hf_config = read_hf_config(directory)
     config = ModelConfig.from_hf(hf_config)
@@ -41,9 +44,20 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     _tie_or_check_lm_head(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device).eval().requires_grad_(False)
+    quantize_linears(model, quantization, group_size)
     if prepack:
         prepack_linears(model, device, dtype)
     return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight the model holds, in the form it holds them (packed, quantized)."""
+    total = 0
+    for module in model.modules():
+        tensors = [*module._parameters.values(), *module._buffers.values(),
+                   getattr(module, "packed_weight", None)]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
 
 
 def read_hf_config(directory: Path) -> dict:

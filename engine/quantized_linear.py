@@ -1,0 +1,192 @@
+"""Quantized linear layers, made from a model's float weights at load time (`--quantization`).
+
+- int8: weight-only, one symmetric scale per output channel (W ≈ q·s, q in -127..127).
+- int4: weight-only, groups of `group_size` input channels with a scale and a zero each
+  (W ≈ (q - 8)·s + z, q in 0..15): the layout of a GGUF Q4_1 block.
+- w8a8: int8 weights as above times int8 activations quantized per token on the fly
+  (x ≈ a·t, one scale t per row), multiplied in int32 (`torch._int_mm`), scaled back to float.
+
+Each layer answers to float math on its own dequantized weights (`dequantized_weight`; w8a8
+also on its fake-quantized activations, `fake_quantized_input`). On CPU the weight-only
+products run on torch's packed kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`);
+elsewhere each call multiplies the dequantized weight, correct but slow (the GPU path is its
+own issue).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATION_METHODS = ("none", "int8", "int4", "w8a8")
+DEFAULT_GROUP_SIZE = 32
+INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at q = 8
+
+
+class QuantizedLinear(nn.Module):
+    """y = x Wᵀ + b for a weight held quantized; subclasses say how."""
+
+    method = "none"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (2-D) times the weight, transposed."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}"
+
+
+def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], s float32 [N]) with W ≈ q·s, symmetric per output channel."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear(QuantizedLinear):
+    method = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        qweight, scale = per_channel_int8(weight)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale.to(weight.dtype))  # the kernel's dtype is x's
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
+        return x @ self.dequantized_weight().to(x.dtype).T
+
+
+class Int4Linear(QuantizedLinear):
+    method = "int4"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        super().__init__(weight, bias)
+        if self.in_features % group_size:
+            raise ValueError(f"int4: {self.in_features} input channels are not a multiple of "
+                             f"the group size {group_size}")
+        self.group_size = group_size
+        groups = weight.detach().float().reshape(self.out_features, -1, group_size)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        zero = low + INT4_ZERO_POINT * scale
+        self.set_quantized(q.reshape(self.out_features, -1).to(torch.int32), scale, zero,
+                           weight.dtype)
+
+    def set_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                      dtype: torch.dtype) -> None:
+        """q int32 [N, K] in 0..15; scale and zero [N, K / group_size]. On CPU only the
+        kernel's packed form is kept; elsewhere q itself."""
+        # [K / group, N, 2], the layout the CPU kernel reads, in the activations' dtype.
+        scales_and_zeros = torch.stack([scale.T, zero.T], dim=-1).contiguous().to(dtype)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        on_cpu = q.device.type == "cpu"
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32), 1) if on_cpu else None)
+        self.register_buffer("q", None if on_cpu else q.to(torch.uint8))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(q - 8)·s + z in float32, with s and z as stored (rounded to the model's dtype)."""
+        scales_and_zeros = self.scales_and_zeros.float()
+        scale = scales_and_zeros[..., 0].T.repeat_interleave(self.group_size, 1)
+        zero = scales_and_zeros[..., 1].T.repeat_interleave(self.group_size, 1)
+        return (self.codes().float() - INT4_ZERO_POINT) * scale + zero
+
+    def codes(self) -> torch.Tensor:
+        """q [N, K]. On CPU the kernel's own unpacking recovers it: the identity times the
+        packed weight with every scale 1 and zero 8 gives q itself, exactly (bf16 holds
+        0..15; the kernel's fp32 path is ~50x slower)."""
+        if self.packed is None:
+            return self.q
+        unit = torch.ones_like(self.scales_and_zeros, dtype=torch.bfloat16)
+        unit[..., 1] = INT4_ZERO_POINT
+        identity = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            identity, self.packed, self.group_size, unit).T.to(torch.uint8)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group_size, self.scales_and_zeros)
+        return x @ self.dequantized_weight().to(x.dtype).T
+
+
+class W8A8Linear(QuantizedLinear):
+    method = "w8a8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        qweight, scale = per_channel_int8(weight)
+        self.register_buffer("qweight_t", qweight.T)  # [K, N] view, as _int_mm takes it
+        self.register_buffer("scale", scale)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight_t.T.float() * self.scale[:, None]
+
+    @staticmethod
+    def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a int8 [M, K], t float32 [M, 1]) with x ≈ a·t, symmetric per row."""
+        x = x.float()
+        scale = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(
+            min=torch.finfo(torch.float32).tiny)
+        return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+    @classmethod
+    def fake_quantized_input(cls, x: torch.Tensor) -> torch.Tensor:
+        a, scale = cls.quantize_input(x.reshape(-1, x.shape[-1]))
+        return (a.float() * scale).reshape(x.shape)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        a, row_scale = self.quantize_input(x)
+        if x.device.type == "cpu":
+            acc = torch._int_mm(a, self.qweight_t).float()
+        else:  # _int_mm's CUDA kernel wants M > 16; exact in float up to 2^24 per sum
+            acc = a.float() @ self.qweight_t.float()
+        return (acc * row_scale * self.scale).to(x.dtype)
+
+
+def quantize_linears(model: nn.Module, method: str,
+                     group_size: int = DEFAULT_GROUP_SIZE) -> list[QuantizedLinear]:
+    """Replaces every `nn.Linear` of the model by a quantized one; a tied output projection
+    (`lm_head is None`) gets a quantized copy of the embedding, the embedding staying for the
+    lookup. Returns the new layers."""
+    if method == "none":
+        return []
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {method!r}: one of {QUANTIZATION_METHODS}")
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
+        if method == "int4":
+            return Int4Linear(weight, bias, group_size)
+        return Int8Linear(weight, bias) if method == "int8" else W8A8Linear(weight, bias)
+
+    made = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                made.append(make(child.weight, child.bias))
+                setattr(parent, name, made[-1])
+    if getattr(model, "lm_head", ()) is None:
+        made.append(make(model.model.embed_tokens.weight, None))
+        model.lm_head = made[-1]
+    return made
