@@ -35,10 +35,13 @@ class BenchTokenizer:
     def prompt_len(self, prompt: str, system: str | None, chat: bool) -> int:
         if not chat:
             return len(self._tokenizer.encode(prompt, add_special_tokens=True))
+        return len(self.encode_chat(prompt, system))
+
+    def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
         # As the frontend does it: render, then encode; the template holds the special tokens.
         text = self._tokenizer.apply_chat_template(
             chat_messages(prompt, system), tokenize=False, add_generation_prompt=True)
-        return len(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def template_overhead(self, system: str | None, chat: bool) -> int:
         """Prompt tokens around an empty user message."""

@@ -1,0 +1,143 @@
+"""What quantization costs in quality: perplexity of a fixed text and greedy agreement on 20
+prompts, for each `--quantization` method side by side, in-process.
+
+    python -m bench.quality [--model DIR] [--dtype auto] [--methods none,int8,int4,w8a8]
+        [--tokens 1024] [--prompts 20] [--max-tokens 32]
+
+The text is the project's own prompt file (bench/data/prompts.jsonl, the prompts joined by
+blank lines), its first --tokens tokens in one forward. Agreement compares each method's
+greedy answers with the unquantized model's: the share of output tokens before the first
+divergence, and how many answers are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.datasets import DEFAULT_PROMPTS_FILE, BenchTokenizer
+from common.config import EngineConfig
+from common.protocol import AddRequest
+from common.sampling import SamplingParams
+from engine.attention import AttentionMetadata
+from engine.core import EngineCore
+from engine.forward_context import forward_context
+from engine.loader import cpu_flags
+from engine.quantized_linear import QUANTIZATION_METHODS
+
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class Quality:
+    method: str
+    perplexity: float
+    answers: list[list[int]]
+    seconds: float
+
+
+def quality_text(tokenizer: BenchTokenizer, num_tokens: int) -> list[int]:
+    with open(DEFAULT_PROMPTS_FILE, encoding="utf-8") as lines:
+        prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    tokens = tokenizer.encode("\n\n".join(prompts))
+    if len(tokens) < num_tokens:
+        raise SystemExit(f"the text holds only {len(tokens)} tokens")
+    return tokens[:num_tokens]
+
+
+@torch.inference_mode()
+def perplexity(core: EngineCore, tokens: list[int]) -> float:
+    """exp(mean next-token NLL) over the text, in one prefill through the paged model."""
+    count = len(tokens)
+    blocks = list(range(-(-count // BLOCK_SIZE)))
+    metadata = AttentionMetadata.build([count], [count], [blocks], list(range(count)),
+                                       BLOCK_SIZE, core.device)
+    ids = torch.tensor(tokens, device=core.device)
+    with forward_context(metadata):
+        hidden = core.model(ids, torch.arange(count, device=core.device), core.runner.kv_caches)
+    logits = core.model.compute_logits(hidden[:-1]).float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[1:])
+    return math.exp(nll.item())
+
+
+def greedy_answers(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        core.add_request(AddRequest(f"q{index}", prompt, params, 0.0))
+    answers: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
+    while core.has_work:
+        for output in core.step().outputs:
+            answers[output.request_id].extend(output.new_token_ids)
+    return [answers[f"q{i}"] for i in range(len(prompts))]
+
+
+def chat_prompts(tokenizer: BenchTokenizer, count: int) -> list[list[int]]:
+    with open(DEFAULT_PROMPTS_FILE, encoding="utf-8") as lines:
+        records = [json.loads(line) for line in lines if line.strip()]
+    chats = [record["prompt"] for record in records if record["kind"] == "chat"][:count]
+    return [tokenizer.encode_chat(prompt) for prompt in chats]
+
+
+def measure(model: str, dtype: str, method: str, text: list[int], prompts: list[list[int]],
+            max_tokens: int) -> Quality:
+    started = time.perf_counter()
+    core = EngineCore(EngineConfig(model, dtype=dtype, quantization=method,
+                                   num_kv_blocks=len(text) // BLOCK_SIZE + 64))
+    ppl = perplexity(core, text)
+    answers = greedy_answers(core, prompts, max_tokens)
+    return Quality(method, ppl, answers, time.perf_counter() - started)
+
+
+def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float, int]:
+    """(share of tokens before the first divergence, identical answers)."""
+    agreed = total = identical = 0
+    for ours, theirs in zip(answers, reference, strict=True):
+        prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b),
+                      len(theirs))
+        agreed += prefix
+        total += len(theirs)
+        identical += prefix == len(theirs)
+    return agreed / total, identical
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.quality",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--methods", default=",".join(QUANTIZATION_METHODS))
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    from common.default_model import resolve_model
+
+    model = resolve_model(args.model)
+    tokenizer = BenchTokenizer.load(model)
+    text = quality_text(tokenizer, args.tokens)
+    prompts = chat_prompts(tokenizer, args.prompts)
+    methods = args.methods.split(",")
+    results = [measure(model, args.dtype, method, text, prompts, args.max_tokens)
+               for method in methods]
+    reference = results[0]
+    flags = " ".join(sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx"))))
+    print(f"{model}, --dtype {args.dtype}, CPU flags: {flags}")
+    print(f"perplexity over {len(text)} tokens; agreement with {reference.method} on "
+          f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens\n")
+    print("| method | perplexity | vs " + reference.method + " | tokens agreed | identical "
+          "answers | load + run s |")
+    print("|---|--:|--:|--:|--:|--:|")
+    for result in results:
+        share, identical = agreement(result.answers, reference.answers)
+        change = result.perplexity / reference.perplexity - 1
+        print(f"| {result.method} | {result.perplexity:.3f} | {change:+.2%} | {share:.1%} | "
+              f"{identical}/{len(prompts)} | {result.seconds:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
