@@ -39,6 +39,7 @@ from engine import (
     cpu_elementwise_kernel,
     fused_ops,
     logits_processors,
+    quantized_linear,
     sampler,
 )
 from engine.core import EngineCore
@@ -75,6 +76,7 @@ SCOPES: list[tuple[str, str, range]] = [
 ] + [(op_class, Path(module.__file__).name, range(1, 10**6)) for op_class, module in (
     ("attention", attention),
     ("attention", cpu_decode_kernel),
+    ("GEMM", quantized_linear),  # activation quantization and scaling belong to the product
     ("sampler", sampler),
     ("sampler", logits_processors),
 )]
@@ -200,7 +202,7 @@ def prefill_profile(core: EngineCore, label: str, length: int, steps: int,
     return profile_steps(core, label, one_prefill, steps)
 
 
-def make_core(args: argparse.Namespace, mode: str) -> EngineCore:
+def make_core(args: argparse.Namespace, mode: str, quantization: str) -> EngineCore:
     if mode == "compiled":  # name inductor's fused kernels in the profile
         import torch._inductor.config as inductor_config
 
@@ -209,7 +211,7 @@ def make_core(args: argparse.Namespace, mode: str) -> EngineCore:
         model=resolve_model(args.model), dtype=args.dtype,
         max_num_seqs=max(args.batch), enable_prefix_caching=False,
         max_num_batched_tokens=max(args.prefill or 0, 2048),
-        compile=mode == "compiled",
+        compile=mode == "compiled", quantization=quantization,
     )
     return EngineCore(config)
 
@@ -225,19 +227,24 @@ def main() -> None:
                                                                "of this many tokens")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--quantization", default="none",
+                        help="comma-separated --quantization methods, each profiled eager")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.batch = [int(size) for size in args.batch.split(",") if size]
     rng = random.Random(args.seed)
     rows = []
-    for mode in filter(None, args.modes.split(",")):
-        core = make_core(args, mode)
+    runs = [(mode, "none") for mode in filter(None, args.modes.split(","))]
+    runs += [("eager", method) for method in args.quantization.split(",") if method != "none"]
+    for mode, method in runs:
+        core = make_core(args, mode, method)
+        name = mode if method == "none" else f"{mode} {method}"
         for batch in args.batch:
-            rows.append(decode_profile(core, f"{mode} decode, batch {batch}", batch,
+            rows.append(decode_profile(core, f"{name} decode, batch {batch}", batch,
                                        args.context, args.steps, rng).row())
             print(rows[-1], file=sys.stderr, flush=True)
         if args.prefill:
-            rows.append(prefill_profile(core, f"{mode} prefill, {args.prefill} tokens",
+            rows.append(prefill_profile(core, f"{name} prefill, {args.prefill} tokens",
                                         args.prefill, max(3, args.steps // 5), rng).row())
             print(rows[-1], file=sys.stderr, flush=True)
         del core

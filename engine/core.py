@@ -18,6 +18,7 @@ from engine.attention import load_cpp_decode
 from engine.block_manager import BlockManager
 from engine.loader import choose_dtype, load_model, weight_bytes
 from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.quantized_linear import quantization_summary
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, StepTrace
@@ -29,14 +30,6 @@ def choose_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _quantization_text(config: EngineConfig) -> str:
-    method = config.weight_quantization
-    if method == "none":
-        return "not quantized"
-    group = f", groups of {config.quantization_group_size}" if method == "int4" else ""
-    return f"{method} linears{group}"
 
 
 def _rss_text() -> str:
@@ -68,7 +61,7 @@ class EngineCore:
                                 quantization=config.weight_quantization,
                                 group_size=config.quantization_group_size)
         logger.info("weights: %.1f MiB (%s, %s); engine RSS %s", weight_bytes(self.model) / 2**20,
-                    self.dtype, _quantization_text(config), _rss_text())
+                    self.dtype, quantization_summary(self.model), _rss_text())
         model_config = self.model.config
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
         limit = model_config.max_exact_len

@@ -7,16 +7,26 @@
   (x ≈ a·t, one scale t per row), multiplied in int32 (`torch._int_mm`), scaled back to float.
 
 Each layer answers to float math on its own dequantized weights (`dequantized_weight`; w8a8
-also on its fake-quantized activations, `fake_quantized_input`). On CPU the weight-only
-products run on torch's packed kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`);
-elsewhere each call multiplies the dequantized weight, correct but slow (the GPU path is its
-own issue).
+also on its fake-quantized activations, `fake_quantized_input`).
+
+Weight-only kernels win only while a step is memory-bound: on a 2-core AVX512-BF16 CPU the
+default model's decode step at 1 / 2 / 4 / 8 / 16 tokens spends 11.4 / 12.6 / 10.4 / 12.3 /
+15.8 ms in bf16 GEMMs, 8.8 / 12.0 / 13.7 / 25.7 / 42.9 in int8 and 3.9 / 5.3 / 6.8 / 13.3 /
+25.3 in int4 (`bench.profile_step --quantization`). So where oneDNN packs bf16 natively, a
+weight-only layer also keeps its dequantized weight as a packed bf16 copy and multiplies
+steps above `max_kernel_rows` tokens with it: small decode batches read the small weights,
+large batches and prefill run at the bf16 rate, and the copy costs memory (reported at load).
+Elsewhere the weight-only products run on torch's packed CPU kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) at every size; off CPU each call
+multiplies the dequantized weight, correct but slow (the GPU path is its own issue).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.linear import PackedLinear, packing_applies
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "w8a8")
 DEFAULT_GROUP_SIZE = 32
@@ -27,11 +37,17 @@ class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b for a weight held quantized; subclasses say how."""
 
     method = "none"
+    max_kernel_rows = 0  # weight-only: steps of more tokens run on the dense copy, if any
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
+        self.dense: PackedLinear | None = None
+
+    def keep_dense_copy(self, dtype: torch.dtype) -> None:
+        """A packed copy of the dequantized weight for steps above `max_kernel_rows` tokens."""
+        self.dense = PackedLinear(self.dequantized_weight().to(dtype), self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError
@@ -41,7 +57,10 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x.reshape(-1, self.in_features))
+        rows = x.reshape(-1, self.in_features)
+        if self.dense is not None and rows.shape[0] > self.max_kernel_rows:
+            return self.dense(x)
+        y = self.product(rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -59,6 +78,7 @@ def per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(QuantizedLinear):
     method = "int8"
+    max_kernel_rows = 1
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
@@ -77,6 +97,7 @@ class Int8Linear(QuantizedLinear):
 
 class Int4Linear(QuantizedLinear):
     method = "int4"
+    max_kernel_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int = DEFAULT_GROUP_SIZE) -> None:
@@ -186,7 +207,26 @@ def quantize_linears(model: nn.Module, method: str,
             if type(child) is nn.Linear:
                 made.append(make(child.weight, child.bias))
                 setattr(parent, name, made[-1])
+    embedding = model.model.embed_tokens.weight
     if getattr(model, "lm_head", ()) is None:
-        made.append(make(model.model.embed_tokens.weight, None))
+        made.append(make(embedding, None))
         model.lm_head = made[-1]
+    if method != "w8a8" and packing_applies(embedding.device, embedding.dtype):
+        for layer in made:
+            layer.keep_dense_copy(embedding.dtype)
     return made
+
+
+def quantization_summary(model: nn.Module) -> str:
+    """One phrase for the start-up log: what the linears hold and which kernel runs when."""
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    if not layers:
+        return "linears not quantized"
+    first = layers[0]
+    text = f"{len(layers)} {first.method} linears"
+    if isinstance(first, Int4Linear):
+        text += f" (groups of {first.group_size})"
+    if first.dense is not None:
+        text += (f"; steps above {first.max_kernel_rows} tokens on a packed "
+                 f"{first.dense.packed_weight.dtype} copy")
+    return text

@@ -69,6 +69,21 @@ def test_layer_equals_float_math_on_its_dequantized_weights(method: str,
     assert error <= (0.2 if method == "int4" else 0.02) * weight.float().abs().max().item()
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) -> None:
+    generator = torch.Generator().manual_seed(1)
+    layer = LAYERS[method](torch.randn(96, 64, generator=generator), None)
+    layer.keep_dense_copy(torch.float32)
+    calls: list[int] = []
+    layer.dense.register_forward_hook(lambda _, args, __: calls.append(args[0].shape[0]))
+    for rows in (1, layer.max_kernel_rows, layer.max_kernel_rows + 1, 64):
+        x = torch.randn(rows, 64, generator=generator)
+        out = layer(x)
+        expected = reference_product(layer, x)
+        assert (out - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert calls == [layer.max_kernel_rows + 1, 64]
+
+
 def test_int4_groups_must_divide_the_input_channels() -> None:
     with pytest.raises(ValueError, match="group size 48"):
         Int4Linear(torch.randn(8, 64), None, group_size=48)
