@@ -2,12 +2,14 @@
 prompts, for each `--quantization` method side by side, in-process.
 
     python -m bench.quality [--model DIR] [--dtype auto] [--methods none,int8,int4,w8a8]
-        [--tokens 1024] [--prompts 20] [--max-tokens 32]
+        [--gguf FILE.gguf] [--tokens 1024] [--prompts 20] [--max-tokens 32]
 
 The text is the project's own prompt file (bench/data/prompts.jsonl, the prompts joined by
 blank lines), its first --tokens tokens in one forward. Agreement compares each method's
 greedy answers with the unquantized model's: the share of output tokens before the first
-divergence, and how many answers are identical.
+divergence, and how many answers are identical. `--gguf` adds a row: that file served with
+its own quantization (`--quantization auto`), e.g. the default model's Q4_1 GGUF beside the
+float weights Loom converts it to.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -84,13 +87,13 @@ def chat_prompts(tokenizer: BenchTokenizer, count: int) -> list[list[int]]:
 
 
 def measure(model: str, dtype: str, method: str, text: list[int], prompts: list[list[int]],
-            max_tokens: int) -> Quality:
+            max_tokens: int, label: str | None = None) -> Quality:
     started = time.perf_counter()
     core = EngineCore(EngineConfig(model, dtype=dtype, quantization=method,
                                    num_kv_blocks=len(text) // BLOCK_SIZE + 64))
     ppl = perplexity(core, text)
     answers = greedy_answers(core, prompts, max_tokens)
-    return Quality(method, ppl, answers, time.perf_counter() - started)
+    return Quality(label or method, ppl, answers, time.perf_counter() - started)
 
 
 def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float, int]:
@@ -111,6 +114,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--methods", default=",".join(QUANTIZATION_METHODS))
+    parser.add_argument("--gguf", default=None, help="also this GGUF file, as it is")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -124,6 +128,9 @@ def main() -> None:
     methods = args.methods.split(",")
     results = [measure(model, args.dtype, method, text, prompts, args.max_tokens)
                for method in methods]
+    if args.gguf:
+        results.append(measure(resolve_model(args.gguf), args.dtype, "auto", text, prompts,
+                               args.max_tokens, label=f"{Path(args.gguf).name} (auto)"))
     reference = results[0]
     flags = " ".join(sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx"))))
     print(f"{model}, --dtype {args.dtype}, CPU flags: {flags}")

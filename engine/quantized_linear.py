@@ -39,11 +39,20 @@ class QuantizedLinear(nn.Module):
     method = "none"
     max_kernel_rows = 0  # weight-only: steps of more tokens run on the dense copy, if any
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, shape: torch.Size, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = shape
         self.bias = None if bias is None else bias.detach()
         self.dense: PackedLinear | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        """The model's dtype, which the layer's scales are held in."""
+        return self.scale.dtype if hasattr(self, "scale") else self.scales_and_zeros.dtype
 
     def keep_dense_copy(self, dtype: torch.dtype) -> None:
         """A packed copy of the dequantized weight for steps above `max_kernel_rows` tokens."""
@@ -81,7 +90,7 @@ class Int8Linear(QuantizedLinear):
     max_kernel_rows = 1
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(weight, bias)
+        super().__init__(weight.shape, bias)
         qweight, scale = per_channel_int8(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(weight.dtype))  # the kernel's dtype is x's
@@ -101,23 +110,32 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int = DEFAULT_GROUP_SIZE) -> None:
-        super().__init__(weight, bias)
+        """Quantizes a float weight: each group's minimum and maximum span codes 0..15."""
+        super().__init__(weight.shape, bias)
         if self.in_features % group_size:
             raise ValueError(f"int4: {self.in_features} input channels are not a multiple of "
                              f"the group size {group_size}")
-        self.group_size = group_size
         groups = weight.detach().float().reshape(self.out_features, -1, group_size)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
         zero = low + INT4_ZERO_POINT * scale
-        self.set_quantized(q.reshape(self.out_features, -1).to(torch.int32), scale, zero,
-                           weight.dtype)
+        self._hold(q.reshape(self.out_features, -1), scale, zero, weight.dtype)
 
-    def set_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                      dtype: torch.dtype) -> None:
-        """q int32 [N, K] in 0..15; scale and zero [N, K / group_size]. On CPU only the
-        kernel's packed form is kept; elsewhere q itself."""
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        """A layer holding given codes as they are (a GGUF Q4_0 / Q4_1 tensor's):
+        W = (q - 8)·scale + zero, q [N, K] in 0..15, scale and zero [N, groups]."""
+        layer = cls.__new__(cls)
+        QuantizedLinear.__init__(layer, q.shape, bias)
+        layer._hold(q, scale, zero, dtype)
+        return layer
+
+    def _hold(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              dtype: torch.dtype) -> None:
+        """On CPU only the kernel's packed form of q is kept; elsewhere q itself."""
+        self.group_size = self.in_features // scale.shape[1]
         # [K / group, N, 2], the layout the CPU kernel reads, in the activations' dtype.
         scales_and_zeros = torch.stack([scale.T, zero.T], dim=-1).contiguous().to(dtype)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
@@ -156,7 +174,7 @@ class W8A8Linear(QuantizedLinear):
     method = "w8a8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(weight, bias)
+        super().__init__(weight.shape, bias)
         qweight, scale = per_channel_int8(weight)
         self.register_buffer("qweight_t", qweight.T)  # [K, N] view, as _int_mm takes it
         self.register_buffer("scale", scale)
@@ -207,14 +225,20 @@ def quantize_linears(model: nn.Module, method: str,
             if type(child) is nn.Linear:
                 made.append(make(child.weight, child.bias))
                 setattr(parent, name, made[-1])
-    embedding = model.model.embed_tokens.weight
     if getattr(model, "lm_head", ()) is None:
-        made.append(make(embedding, None))
+        made.append(make(model.model.embed_tokens.weight, None))
         model.lm_head = made[-1]
-    if method != "w8a8" and packing_applies(embedding.device, embedding.dtype):
-        for layer in made:
-            layer.keep_dense_copy(embedding.dtype)
+    if method != "w8a8":
+        attach_dense_copies(made)
     return made
+
+
+def attach_dense_copies(layers: list[QuantizedLinear]) -> None:
+    """Weight-only layers get their packed bf16 copy where oneDNN packs bf16 natively."""
+    for layer in layers:
+        dtype = layer.dense_dtype
+        if packing_applies(layer.device, dtype):
+            layer.keep_dense_copy(dtype)
 
 
 def quantization_summary(model: nn.Module) -> str:

@@ -1,0 +1,115 @@
+"""Weights read from a GGUF file (`--model FILE.gguf`, see common/gguf_model.py).
+
+Every tensor can be read dequantized to float32 (`float_tensors`, as the default model's
+conversion does). With `--quantization auto` the linears whose GGUF tensors are Q4_0 or Q4_1
+are then replaced by `Int4Linear`s holding the file's own codes (`keep_gguf_quantization`):
+a block of 32 weights with an fp16 scale d (and, Q4_1, minimum m) is exactly a group of 32
+with scale d and zero at code 8 of d·(8 - 8) = 0 (Q4_0) or m + 8·d (Q4_1). Scale and zero are
+held in the model's dtype (bf16 rounds the fp16 values to 8 bits of mantissa).
+Other quantized types stay float, named in one warning line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.quantized_linear import Int4Linear
+
+logger = logging.getLogger("loom.engine")
+
+Q4_BLOCK = 32
+# The fused modules of engine/models/llama.py and the GGUF tensors stacked into each.
+_LAYER_MODULES = {
+    ("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
+    ("self_attn", "o_proj"): ("attn_output",),
+    ("mlp", "gate_up_proj"): ("ffn_gate", "ffn_up"),
+    ("mlp", "down_proj"): ("ffn_down",),
+}
+
+
+def float_tensors(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file."""
+    from common.default_model import dequantize_tensor
+    from common.gguf_model import read_gguf
+
+    for tensor in read_gguf(path).tensors:
+        name, weight = dequantize_tensor(tensor, config)
+        yield name, torch.from_numpy(weight if weight.flags.writeable else weight.copy())
+
+
+def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q uint8 [N, K] in 0..15, scale float32 [N, K/32], zero float32 [N, K/32]) of a Q4_0
+    or Q4_1 tensor, W = (q - 8)·scale + zero."""
+    kind = tensor.tensor_type.name
+    rows = int(tensor.shape[1])
+    head = 4 if kind == "Q4_1" else 2  # fp16 d (and m), then 16 bytes of codes
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, head + Q4_BLOCK // 2)
+    halves = blocks[..., :head].copy().view(np.float16).astype(np.float32)
+    scale = halves[..., 0]
+    codes = blocks[..., head:]
+    # Byte j of a block holds code j in its low nibble and code j + 16 in its high one.
+    q = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).reshape(rows, -1)
+    zero = halves[..., 1] + 8 * scale if kind == "Q4_1" else np.zeros_like(scale)
+    return q, scale, zero
+
+
+def keep_gguf_quantization(model: nn.Module, path: Path, config: dict[str, Any],
+                           dtype: torch.dtype) -> list[Int4Linear]:
+    """Replaces each linear whose GGUF tensors are all Q4_0/Q4_1 by an Int4Linear of the
+    file's codes; returns them. Logs the quantized types served as float instead."""
+    from common.default_model import unpermute_if_rotary
+    from common.gguf_model import read_gguf
+
+    tensors = {tensor.name: tensor for tensor in read_gguf(path).tensors}
+    made: list[Int4Linear] = []
+    kept: set[str] = set()
+    targets = [(layer, f"blk.{index}.", modules)
+               for index, layer in enumerate(model.model.layers)
+               for modules in _LAYER_MODULES.items()]
+    if "output.weight" in tensors and model.lm_head is not None:
+        targets.append((model, "", (("lm_head",), ("output",))))
+    for parent, prefix, (module_path, parts) in targets:
+        members = [tensors[f"{prefix}{part}.weight"] for part in parts]
+        if not all(member.tensor_type.name in ("Q4_0", "Q4_1") for member in members):
+            continue
+        codes = [[unpermute_if_rotary(_hf_name(member.name), array, config)
+                  for array in q4_codes(member)] for member in members]
+        q, scale, zero = (torch.from_numpy(np.concatenate(arrays))
+                          for arrays in zip(*codes, strict=True))
+        owner = parent
+        for attribute in module_path[:-1]:
+            owner = getattr(owner, attribute)
+        bias = getattr(owner, module_path[-1]).bias
+        made.append(Int4Linear.from_codes(q, scale, zero, bias, dtype))
+        setattr(owner, module_path[-1], made[-1])
+        kept.update(member.name for member in members)
+    _log_kept(tensors, kept, len(made))
+    return made
+
+
+def _hf_name(gguf_name: str) -> str:
+    from common.default_model import hf_tensor_name
+
+    return hf_tensor_name(gguf_name)
+
+
+def _log_kept(tensors: dict[str, Any], kept: set[str], num_layers: int) -> None:
+    served_float = Counter(tensor.tensor_type.name for name, tensor in tensors.items()
+                           if name not in kept and tensor.tensor_type.name not in _FLOAT_TYPES)
+    if served_float:
+        kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(served_float.items()))
+        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0 and Q4_1 linears "
+                       "alone keep their codes)", kinds)
+    logger.info("GGUF: %d linears keep the file's 4-bit codes (%d tensors)", num_layers,
+                len(kept))
+
+
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
