@@ -210,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         model_dir = resolve_model(args.model, progress=say)
+    except ValueError as exc:  # a model that cannot be served: the reason, no traceback
+        say(f"error: {exc}")
+        return 2
+    try:
         config = EngineConfig.from_args(args, model_dir)
         ready = launcher.start_engine(config)
         say(f"engine ready in {time.monotonic() - started:.1f} s: {ready.model_name}, "

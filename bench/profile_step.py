@@ -234,11 +234,13 @@ def main() -> None:
     args.batch = [int(size) for size in args.batch.split(",") if size]
     rng = random.Random(args.seed)
     rows = []
-    runs = [(mode, "none") for mode in filter(None, args.modes.split(","))]
-    runs += [("eager", method) for method in args.quantization.split(",") if method != "none"]
+    # "auto": a GGUF --model as it is (its own 4-bit linears), float for safetensors.
+    runs = [(mode, "auto") for mode in filter(None, args.modes.split(","))]
+    runs += [("eager", method) for method in args.quantization.split(",")
+             if method not in ("auto", "none")]
     for mode, method in runs:
         core = make_core(args, mode, method)
-        name = mode if method == "none" else f"{mode} {method}"
+        name = mode if method == "auto" else f"{mode} {method}"
         for batch in args.batch:
             rows.append(decode_profile(core, f"{name} decode, batch {batch}", batch,
                                        args.context, args.steps, rng).row())

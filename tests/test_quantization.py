@@ -22,6 +22,7 @@ from engine.quantized_linear import (
     Int8Linear,
     QuantizedLinear,
     W8A8Linear,
+    attach_dense_copies,
     quantize_linears,
 )
 from tests.engine_helpers import (
@@ -84,6 +85,36 @@ def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) ->
     assert calls == [layer.max_kernel_rows + 1, 64]
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_fp32_weight_only_layers_multiply_an_fp32_copy_at_every_size(method: str) -> None:
+    layer = LAYERS[method](torch.randn(96, 64), None)
+    attach_dense_copies([layer])
+    assert layer.kernel_rows == 0 and layer.dense.weight.dtype == torch.float32
+    calls: list[int] = []
+    layer.dense.register_forward_hook(lambda _, args, __: calls.append(args[0].shape[0]))
+    x = torch.randn(1, 64)
+    expected = reference_product(layer, x)
+    assert (layer(x) - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bf16_model_on_the_kernels_stays_near_its_fp32_reference(method: str,
+                                                                  tmp_path: Path) -> None:
+    """The served bf16 path (kernels for small steps, packed copies for large ones where the
+    CPU has native bf16) against the fp32 float math of the same dequantized weights."""
+    hf_model = build_tiny_hf_model()
+    hf_model.save_pretrained(tmp_path / "tiny")
+    core = make_core(str(tmp_path / "tiny"), dtype="bfloat16", quantization=method)
+    reference = dequantized_reference(hf_model, core.model, method)
+    for length in (1, 3, 24):  # decode-sized steps run the int kernels
+        prompt = [(7 * i + 3) % 250 + 3 for i in range(length)]
+        ours = prefill_logits(core.model, prompt)
+        with torch.no_grad():
+            theirs = reference(torch.tensor([prompt])).logits[0]
+        assert (ours - theirs).abs().max().item() < 0.1 * theirs.abs().max().item()
+
+
 def test_int4_groups_must_divide_the_input_channels() -> None:
     with pytest.raises(ValueError, match="group size 48"):
         Int4Linear(torch.randn(8, 64), None, group_size=48)
@@ -95,7 +126,8 @@ def test_quantize_linears_replaces_every_linear_and_a_tied_head() -> None:
     config = ModelConfig.from_hf(build_tiny_hf_model(tie_word_embeddings=True).config.to_dict())
     model = LlamaForCausalLM(config, dtype=torch.float32)
     made = quantize_linears(model, "int4", group_size=32)
-    assert not any(type(module) is nn.Linear for module in model.modules())
+    plain = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    assert all(name.endswith(".dense") for name in plain)  # fp32: each layer's float copy
     assert model.lm_head is made[-1] and isinstance(model.lm_head, Int4Linear)
     assert len(made) == 4 * config.num_hidden_layers + 1
     assert quantize_linears(model, "none") == []

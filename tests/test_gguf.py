@@ -1,0 +1,194 @@
+"""GGUF files served as they are (`--model FILE.gguf`).
+
+Engine tier: a tiny Llama written to a GGUF in the test (Q4_1, Q4_0, Q8_0 and F32 tensors,
+q/k permuted as llama.cpp stores them) loads with its Q4 linears kept as the file's codes,
+which decode exactly as gguf's own dequantization, and its logits match the float model
+made from those dequantized weights. Start-up errors: a damaged file and another
+architecture name the file and the reason, through launch.py too, which leaves nothing
+running. End to end: launch.py serves the default model's own Q4_1 GGUF to the OpenAI SDK.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bench.launched import REPO_ROOT, free_port
+from common.default_model import default_gguf_file, unpermute_rotary
+from common.gguf_model import prepare_gguf
+from engine.loader import load_model
+from engine.quantized_linear import Int4Linear
+from tests.launched_server import LaunchedServer
+from tests.model_fixtures import TINY_LLAMA, build_tiny_hf_model
+from tests.test_model_parity import prefill_logits
+
+GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                    "post_attention_layernorm": "ffn_norm"}
+GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+                     "lm_head": "output"}
+# One file, several kinds: Q4 linears kept, a Q8_0 one served as float.
+TENSOR_TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0",
+                "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q4_0"}
+
+
+def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order (interleaved rotary pairs), the inverse of unpermute_rotary."""
+    rows, cols = weight.shape
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(
+        rows, cols)
+
+
+def gguf_name(hf_name: str) -> str:
+    base, _, suffix = hf_name.rpartition(".")
+    if base.startswith("model.layers."):
+        _, _, index, module = base.split(".", 3)
+        return f"blk.{index}.{GGUF_LAYER_NAMES[module]}.{suffix}"
+    return f"{GGUF_GLOBAL_NAMES[base]}.{suffix}"
+
+
+def write_tiny_gguf(path: Path, architecture: str = "llama") -> None:
+    import gguf
+
+    hf_model = build_tiny_hf_model()
+    config = TINY_LLAMA
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    for hf_name, tensor in hf_model.state_dict().items():
+        name = gguf_name(hf_name)
+        weight = tensor.float().numpy()
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            weight = permute_rotary(weight, heads if "attn_q" in name else kv_heads)
+        kind = TENSOR_TYPES.get(name.split(".")[-2], "F32")
+        if kind == "F32":
+            writer.add_tensor(name, np.ascontiguousarray(weight))
+        else:
+            quant_type = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(weight, quant_type),
+                              raw_dtype=quant_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny-q4.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
+                                                              tmp_path: Path) -> None:
+    model_dir = prepare_gguf(str(tiny_gguf), tmp_path / "cache", with_tokenizer=False)
+    assert Path(model_dir).name == "tiny-q4"  # served under the file's name
+    quantized = load_model(model_dir, torch.float32, torch.device("cpu"))
+    float_model = load_model(model_dir, torch.float32, torch.device("cpu"), quantization="none")
+    layer = quantized.model.layers[0]
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   quantized.lm_head):
+        assert isinstance(module, Int4Linear)
+    assert type(layer.mlp.down_proj) is nn.Linear  # Q8_0: served as float
+    # The codes decode exactly as gguf's own dequantization did for the float model.
+    for index, layer in enumerate(quantized.model.layers):
+        reference = float_model.model.layers[index]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
+            ours = layer.get_submodule(name).dequantized_weight()
+            theirs = reference.get_submodule(name).weight
+            assert (ours - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
+    prompt = [(5 * i + 7) % 250 + 3 for i in range(40)]
+    difference = prefill_logits(quantized, prompt) - prefill_logits(float_model, prompt)
+    assert difference.abs().max().item() < 1e-4
+
+
+def test_rotary_permutation_round_trips() -> None:
+    weight = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    assert np.array_equal(unpermute_rotary(permute_rotary(weight, 2), 2), weight)
+
+
+def test_damaged_or_foreign_files_name_the_file_and_the_reason(tmp_path: Path,
+                                                               tiny_gguf: Path) -> None:
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(tiny_gguf.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"damaged\.gguf: not a readable GGUF file"):
+        prepare_gguf(str(damaged), tmp_path / "cache")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(os.urandom(4096))
+    with pytest.raises(ValueError, match=r"garbage\.gguf: not a readable GGUF file"):
+        prepare_gguf(str(garbage), tmp_path / "cache")
+    foreign = tmp_path / "foreign.gguf"
+    write_tiny_gguf(foreign, architecture="gpt2")
+    with pytest.raises(ValueError, match=r"foreign\.gguf: architecture 'gpt2' is not supp"):
+        prepare_gguf(str(foreign), tmp_path / "cache")
+    no_tokenizer = tmp_path / "no-tokenizer.gguf"
+    no_tokenizer.write_bytes(tiny_gguf.read_bytes())
+    with pytest.raises(ValueError, match=r"no-tokenizer\.gguf: no usable tokenizer"):
+        prepare_gguf(str(no_tokenizer), tmp_path / "cache")
+
+
+@pytest.mark.e2e
+def test_launch_refuses_a_damaged_gguf_and_leaves_nothing_running(tmp_path: Path) -> None:
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + os.urandom(64))
+    launch = subprocess.Popen(
+        [sys.executable, "launch.py", "--model", str(damaged), "--port", str(free_port())],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=os.environ | {"LOOM_CACHE": str(tmp_path / "cache")})
+    output, _ = launch.communicate(timeout=120)
+    assert launch.returncode == 2
+    assert f"{damaged}: not a readable GGUF file" in output
+    assert "Traceback" not in output
+    assert not processes_mentioning(str(damaged))
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.e2e
+def test_launch_serves_the_default_models_own_gguf(tmp_path: Path) -> None:
+    import openai
+
+    gguf_file = default_gguf_file()
+    server = LaunchedServer(["--model", gguf_file, "--num-kv-blocks", "256"])
+    with server.start(tmp_path):
+        assert "120 linears keep the file's 4-bit codes" in server.log
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        (model,) = client.models.list().data
+        assert model.id == Path(gguf_file).stem
+        stream = client.chat.completions.create(
+            model=model.id, stream=True, max_tokens=12, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        assert "Paris" in text
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
