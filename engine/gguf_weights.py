@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.gguf_file import read_tensors
 from engine.quantized_linear import Int4Linear
 
 logger = logging.getLogger("loom.engine")
@@ -38,9 +39,8 @@ _LAYER_MODULES = {
 def float_tensors(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file."""
     from common.default_model import dequantize_tensor
-    from common.gguf_model import read_gguf
 
-    for tensor in read_gguf(path).tensors:
+    for tensor in read_tensors(path):
         name, weight = dequantize_tensor(tensor, config)
         yield name, torch.from_numpy(weight if weight.flags.writeable else weight.copy())
 
@@ -66,9 +66,8 @@ def keep_gguf_quantization(model: nn.Module, path: Path, config: dict[str, Any],
     """Replaces each linear whose GGUF tensors are all Q4_0/Q4_1 by an Int4Linear of the
     file's codes; returns them. Logs the quantized types served as float instead."""
     from common.default_model import unpermute_if_rotary
-    from common.gguf_model import read_gguf
 
-    tensors = {tensor.name: tensor for tensor in read_gguf(path).tensors}
+    tensors = {tensor.name: tensor for tensor in read_tensors(path)}
     made: list[Int4Linear] = []
     kept: set[str] = set()
     targets = [(layer, f"blk.{index}.", modules)

@@ -35,8 +35,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                group_size: int = DEFAULT_GROUP_SIZE) -> LlamaForCausalLM:
     """The model on `device`, its linears quantized if asked (engine.quantized_linear), else
     prepacked where that pays (engine.linear); a model that torch.compile will freeze keeps
-    plain ones (inductor packs those itself). A directory prepared for a GGUF file
-    (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1 linears as they are."""
+    plain ones (inductor packs those itself). A directory standing for a GGUF file
+    (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1 linears as they are,
+    except in fp32 (torch's int4 kernels are slow there). One that also holds safetensors
+    (the default model) reads those whenever it does not keep the codes: the same floats,
+    read faster."""
     directory = Path(model_dir)
     hf_config = read_hf_config(directory)
     config = ModelConfig.from_hf(hf_config)
@@ -44,13 +47,16 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=dtype)
     source = gguf_source(directory)
-    tensors = (_read_safetensors(directory, device) if source is None
-               else float_tensors(source, hf_config))
+    keep_codes = source is not None and quantization == "auto" and dtype != torch.float32
+    if source is not None and (keep_codes or not any(directory.glob("*.safetensors"))):
+        tensors = float_tensors(source, hf_config)
+    else:
+        tensors = _read_safetensors(directory, device)
     weights = dict(_merged_weights(tensors, dtype))
     _tie_or_check_lm_head(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device).eval().requires_grad_(False)
-    if source is not None and quantization == "auto":
+    if keep_codes:
         attach_dense_copies(keep_gguf_quantization(model, source, hf_config, dtype))
     else:
         quantize_linears(model, "none" if quantization == "auto" else quantization, group_size)

@@ -10,6 +10,7 @@ running. End to end: launch.py serves the default model's own Q4_1 GGUF to the O
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from torch import nn
 from bench.launched import REPO_ROOT, free_port
 from common.default_model import default_gguf_file, unpermute_rotary
 from common.gguf_model import prepare_gguf
+from engine.gguf_file import read_tensors
+from engine.gguf_weights import keep_gguf_quantization
 from engine.loader import load_model
 from engine.quantized_linear import Int4Linear
 from tests.launched_server import LaunchedServer
@@ -102,8 +105,13 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
                                                               tmp_path: Path) -> None:
     model_dir = prepare_gguf(str(tiny_gguf), tmp_path / "cache", with_tokenizer=False)
     assert Path(model_dir).name == "tiny-q4"  # served under the file's name
-    quantized = load_model(model_dir, torch.float32, torch.device("cpu"))
     float_model = load_model(model_dir, torch.float32, torch.device("cpu"), quantization="none")
+    # fp32 serves floats (the int4 kernels are slow there): keep the codes by hand to test them.
+    quantized = load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert not any(isinstance(module, Int4Linear) for module in quantized.modules())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    kept = keep_gguf_quantization(quantized, tiny_gguf, config, torch.float32)
+    assert len(kept) == 3 * TINY_LLAMA["num_hidden_layers"] + 1
     layer = quantized.model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    quantized.lm_head):
@@ -119,6 +127,31 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
     prompt = [(5 * i + 7) % 250 + 3 for i in range(40)]
     difference = prefill_logits(quantized, prompt) - prefill_logits(float_model, prompt)
     assert difference.abs().max().item() < 1e-4
+
+
+def test_bf16_keeps_the_codes_by_default(tiny_gguf: Path, tmp_path: Path) -> None:
+    model_dir = prepare_gguf(str(tiny_gguf), tmp_path / "cache", with_tokenizer=False)
+    model = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, Int4Linear)
+    requantized = load_model(model_dir, torch.bfloat16, torch.device("cpu"), quantization="int8")
+    assert not any(isinstance(module, Int4Linear) for module in requantized.modules())
+
+
+def test_the_fast_tensor_scan_finds_what_ggufs_reader_finds(tiny_gguf: Path,
+                                                             tmp_path: Path) -> None:
+    from common.gguf_model import read_gguf
+
+    ours, theirs = read_tensors(tiny_gguf), read_gguf(tiny_gguf).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.tensor_type == reference.tensor_type
+        assert mine.shape == tuple(int(dim) for dim in reference.shape)
+        assert np.array_equal(mine.data.reshape(-1).view(np.uint8),
+                              np.asarray(reference.data).reshape(-1).view(np.uint8))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"truncated\.gguf: not a readable GGUF file"):
+        read_tensors(truncated)
 
 
 def test_rotary_permutation_round_trips() -> None:
