@@ -197,7 +197,7 @@ class Launcher:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common.default_model import resolve_model
+    from common.default_model import is_hub_id, resolve_model
 
     launcher = Launcher(args)
 
@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a model that cannot be served: the reason, no traceback
         say(f"error: {exc}")
         return 2
+    if args.served_model_name is None and is_hub_id(args.model):
+        args.served_model_name = args.model  # not the snapshot's commit hash
     try:
         config = EngineConfig.from_args(args, model_dir)
         ready = launcher.start_engine(config)

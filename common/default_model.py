@@ -71,11 +71,41 @@ def resolve_model(model: str | None, cache_dir: str | None = None,
         return str(path)
     if path.is_dir():
         raise ValueError(f"model directory {model!r} has no config.json")
+    if is_hub_id(model):
+        return _from_hub(model)
     raise ValueError(
         f"model {model!r} is not a local Hugging Face directory (expected a folder with "
-        "config.json and *.safetensors) nor a GGUF file; use 'default' for the embedded "
-        "SmolLM2-135M-Instruct"
+        "config.json and *.safetensors), a GGUF file nor a Hugging Face hub id; use 'default' "
+        "for the embedded SmolLM2-135M-Instruct"
     )
+
+
+_HUB_ID = re.compile(r"[\w][\w.-]*/[\w][\w.-]*")
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model"]
+
+
+def is_hub_id(model: str | None) -> bool:
+    """`org/name` that is not a local path: served under that name, as vLLM does."""
+    return bool(model and _HUB_ID.fullmatch(model) and not Path(model).expanduser().exists())
+
+
+def _from_hub(repo_id: str) -> str:
+    """A hub id (`org/name`) through huggingface_hub's cache, as vLLM resolves one: the cached
+    snapshot when HF_HUB_OFFLINE is set, else a download of what Loom reads."""
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        directory = snapshot_download(repo_id, allow_patterns=HUB_FILES,
+                                      cache_dir=os.environ.get("HF_HUB_CACHE") or None,
+                                      local_files_only=offline)
+    except Exception as exc:  # offline miss, no network, unknown repo, gated repo, ...
+        where = "in the Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "on the hub"
+        raise ValueError(f"model {repo_id!r}: not found {where}: {type(exc).__name__}: {exc}"
+                         ) from exc
+    if not (Path(directory) / "config.json").is_file():
+        raise ValueError(f"model {repo_id!r}: the hub snapshot at {directory} has no config.json")
+    return directory
 
 
 def default_cache_dir() -> Path:

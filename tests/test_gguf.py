@@ -5,7 +5,8 @@ q/k permuted as llama.cpp stores them) loads with its Q4 linears kept as the fil
 which decode exactly as gguf's own dequantization, and its logits match the float model
 made from those dequantized weights. Start-up errors: a damaged file and another
 architecture name the file and the reason, through launch.py too, which leaves nothing
-running. End to end: launch.py serves the default model's own Q4_1 GGUF to the OpenAI SDK.
+running. End to end: launch.py serves the default model's own Q4_1 GGUF to the OpenAI SDK,
+and a hub id (`org/name`) from a hub-layout cache with HF_HUB_OFFLINE set.
 """
 
 from __future__ import annotations
@@ -225,3 +226,25 @@ def test_launch_serves_the_default_models_own_gguf(tmp_path: Path) -> None:
         text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         assert "Paris" in text
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.e2e
+def test_launch_serves_a_hub_id_from_the_offline_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import openai
+
+    from tests.test_model_parity import hub_layout_cache
+    from tests.tiny_server import build_tiny_served_model
+
+    source = Path(build_tiny_served_model(tmp_path / "model"))
+    hub_layout_cache(tmp_path / "hub", "acme/tiny-llama", source)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    server = LaunchedServer(["--model", "acme/tiny-llama", "--dtype", "float32",
+                             "--num-kv-blocks", "64"])
+    with server.start(tmp_path):
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        assert [model.id for model in client.models.list().data] == ["acme/tiny-llama"]
+        stream = client.completions.create(model="acme/tiny-llama", prompt="Hello",
+                                           max_tokens=3, stream=True)
+        assert [chunk.choices[0].finish_reason for chunk in stream][-1] == "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -270,3 +271,26 @@ def greedy_decode(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: in
         logits = run_step(model, kv_caches, generated[-1:], [seq_len], [1], [table])
         generated.append(int(logits[-1].argmax()))
     return generated
+
+
+def hub_layout_cache(root: Path, repo_id: str, source: Path) -> Path:
+    """What huggingface_hub leaves after downloading `repo_id`: a snapshot named by its commit
+    and refs/main naming that commit."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_resolve_model_takes_a_hub_id_from_the_cache_offline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = Path(build_tiny_llama_dir(tmp_path))
+    snapshot = hub_layout_cache(tmp_path / "hub", "acme/tiny-llama", source)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert Path(resolve_model("acme/tiny-llama")) == snapshot
+    with pytest.raises(ValueError, match=r"'acme/missing': not found in the Hugging Face cache"):
+        resolve_model("acme/missing")
