@@ -278,7 +278,9 @@ async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
 async def run_benchmark(config: ServeConfig, spec: DatasetSpec, samples: list[SampleRequest],
                         tokenizer: BenchTokenizer) -> RunResult:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=STREAM_READ_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
+    # A connection per request: llama-server drops reused keep-alive connections now and
+    # then, and a local connect costs well under a millisecond beside a streamed answer.
+    connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = config.model or await served_model(session, config.base_url)
         url = config.base_url + config.endpoint

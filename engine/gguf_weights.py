@@ -36,13 +36,33 @@ _LAYER_MODULES = {
 }
 
 
-def float_tensors(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file."""
+def float_tensors(path: Path, config: dict[str, Any], skip: frozenset[str] = frozenset()
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file; those named in
+    `skip` (GGUF names, about to be replaced by their codes) come uninitialized."""
     from common.default_model import dequantize_tensor
 
     for tensor in read_tensors(path):
+        if tensor.name in skip:
+            yield _hf_name(tensor.name), torch.empty(tuple(reversed(tensor.shape)))
+            continue
         name, weight = dequantize_tensor(tensor, config)
         yield name, torch.from_numpy(weight if weight.flags.writeable else weight.copy())
+
+
+def kept_groups(path: Path, config: dict[str, Any]) -> dict[str, list[Any]]:
+    """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
+    codes it will hold: every linear whose tensors are all Q4_0 / Q4_1."""
+    tensors = {tensor.name: tensor for tensor in read_tensors(path)}
+    candidates = {f"model.layers.{index}.{'.'.join(module)}":
+                  [f"blk.{index}.{part}.weight" for part in parts]
+                  for index in range(config["num_hidden_layers"])
+                  for module, parts in _LAYER_MODULES.items()}
+    if not config["tie_word_embeddings"]:
+        candidates["lm_head"] = ["output.weight"]
+    groups = {module: [tensors[name] for name in names] for module, names in candidates.items()}
+    return {module: members for module, members in groups.items()
+            if all(member.tensor_type.name in ("Q4_0", "Q4_1") for member in members)}
 
 
 def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -63,34 +83,24 @@ def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def keep_gguf_quantization(model: nn.Module, path: Path, config: dict[str, Any],
                            dtype: torch.dtype) -> list[Int4Linear]:
-    """Replaces each linear whose GGUF tensors are all Q4_0/Q4_1 by an Int4Linear of the
-    file's codes; returns them. Logs the quantized types served as float instead."""
+    """Replaces each linear of `kept_groups` by an Int4Linear of the file's codes; returns
+    them. Logs the quantized types served as float instead."""
     from common.default_model import unpermute_if_rotary
 
-    tensors = {tensor.name: tensor for tensor in read_tensors(path)}
     made: list[Int4Linear] = []
-    kept: set[str] = set()
-    targets = [(layer, f"blk.{index}.", modules)
-               for index, layer in enumerate(model.model.layers)
-               for modules in _LAYER_MODULES.items()]
-    if "output.weight" in tensors and model.lm_head is not None:
-        targets.append((model, "", (("lm_head",), ("output",))))
-    for parent, prefix, (module_path, parts) in targets:
-        members = [tensors[f"{prefix}{part}.weight"] for part in parts]
-        if not all(member.tensor_type.name in ("Q4_0", "Q4_1") for member in members):
-            continue
+    groups = kept_groups(path, config)
+    for module_name, members in groups.items():
         codes = [[unpermute_if_rotary(_hf_name(member.name), array, config)
                   for array in q4_codes(member)] for member in members]
         q, scale, zero = (torch.from_numpy(np.concatenate(arrays))
                           for arrays in zip(*codes, strict=True))
-        owner = parent
-        for attribute in module_path[:-1]:
-            owner = getattr(owner, attribute)
-        bias = getattr(owner, module_path[-1]).bias
-        made.append(Int4Linear.from_codes(q, scale, zero, bias, dtype))
-        setattr(owner, module_path[-1], made[-1])
-        kept.update(member.name for member in members)
-    _log_kept(tensors, kept, len(made))
+        parent_name, _, attribute = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        made.append(Int4Linear.from_codes(q, scale, zero, getattr(parent, attribute).bias,
+                                          dtype))
+        setattr(parent, attribute, made[-1])
+    kept = {member.name for members in groups.values() for member in members}
+    _log_kept({tensor.name: tensor for tensor in read_tensors(path)}, kept, len(made))
     return made
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from common.gguf_model import gguf_source
-from engine.gguf_weights import float_tensors, keep_gguf_quantization
+from engine.gguf_weights import float_tensors, keep_gguf_quantization, kept_groups
 from engine.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.quantized_linear import DEFAULT_GROUP_SIZE, attach_dense_copies, quantize_linears
@@ -49,7 +49,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     source = gguf_source(directory)
     keep_codes = source is not None and quantization == "auto" and dtype != torch.float32
     if source is not None and (keep_codes or not any(directory.glob("*.safetensors"))):
-        tensors = float_tensors(source, hf_config)
+        skip = frozenset(member.name for members in kept_groups(source, hf_config).values()
+                         for member in members) if keep_codes else frozenset()
+        tensors = float_tensors(source, hf_config, skip)
     else:
         tensors = _read_safetensors(directory, device)
     weights = dict(_merged_weights(tensors, dtype))

@@ -51,6 +51,9 @@ class QuantizedLinear(nn.Module):
         self.dense: nn.Module | None = None
         self.kernel_rows = self.max_kernel_rows  # 0 once a dense copy takes every step
 
+    def finish_loading(self) -> None:
+        """Drops what only loading needed."""
+
     @property
     def device(self) -> torch.device:
         return next(self.buffers()).device
@@ -150,8 +153,10 @@ class Int4Linear(QuantizedLinear):
 
     def _hold(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               dtype: torch.dtype) -> None:
-        """On CPU only the kernel's packed form of q is kept; elsewhere q itself."""
+        """On CPU only the kernel's packed form of q is kept; elsewhere q itself. Until
+        `finish_loading`, q is at hand too: dense copies are made from it directly."""
         self.group_size = self.in_features // scale.shape[1]
+        self._loading_codes: torch.Tensor | None = q.to(torch.uint8)
         # [K / group, N, 2], the layout the CPU kernel reads, in the activations' dtype.
         scales_and_zeros = torch.stack([scale.T, zero.T], dim=-1).contiguous().to(dtype)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
@@ -173,11 +178,16 @@ class Int4Linear(QuantizedLinear):
         0..15; the kernel's fp32 path is ~50x slower)."""
         if self.packed is None:
             return self.q
+        if self._loading_codes is not None:
+            return self._loading_codes
         unit = torch.ones_like(self.scales_and_zeros, dtype=torch.bfloat16)
         unit[..., 1] = INT4_ZERO_POINT
         identity = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             identity, self.packed, self.group_size, unit).T.to(torch.uint8)
+
+    def finish_loading(self) -> None:
+        self._loading_codes = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -246,6 +256,8 @@ def quantize_linears(model: nn.Module, method: str,
         model.lm_head = made[-1]
     if method != "w8a8":
         attach_dense_copies(made)
+    for layer in made:
+        layer.finish_loading()
     return made
 
 
@@ -258,6 +270,7 @@ def attach_dense_copies(layers: list[QuantizedLinear]) -> None:
             layer.keep_float_copy()
         elif packing_applies(layer.device, dtype):
             layer.keep_dense_copy(dtype)
+        layer.finish_loading()
 
 
 def quantization_summary(model: nn.Module) -> str:

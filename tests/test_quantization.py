@@ -65,6 +65,10 @@ def test_layer_equals_float_math_on_its_dequantized_weights(method: str,
         expected = reference_product(layer, x) + bias.float()
         scale = expected.abs().max().item()
         assert (out.float() - expected).abs().max().item() <= LAYER_TOLERANCE[dtype] * scale
+    if method == "int4":  # once loaded, the codes come back out of the kernel's packing
+        loaded = layer.dequantized_weight()
+        layer.finish_loading()
+        assert torch.equal(layer.dequantized_weight(), loaded)
     # The quantization itself stays close to the float weight it came from.
     error = (layer.dequantized_weight() - weight.float()).abs().max().item()
     assert error <= (0.2 if method == "int4" else 0.02) * weight.float().abs().max().item()
