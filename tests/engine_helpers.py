@@ -72,3 +72,23 @@ def assert_greedy_equal_or_near_tie(actual: list[int], expected: list[int], prom
             f"diverged at output token {index}: got {got}, expected {want}, "
             f"but the reference's top-2 margin is {margin:.2e} (>= {tolerance})")
         return
+
+
+def assert_equals_transformers_generate(outputs: dict[str, list[int]],
+                                        batch: list[AddRequest], reference) -> None:
+    """Each request's greedy output equals `reference.generate` on its prompt alone, or
+    diverges only where the reference's top two logits nearly tie."""
+
+    def reference_logits(token_ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return reference(torch.tensor([token_ids])).logits[0, -1]
+
+    for request in batch:
+        prompt = request.prompt_token_ids
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                max_new_tokens=request.sampling.max_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert_greedy_equal_or_near_tie(outputs[request.request_id], expected, prompt,
+                                        reference_logits)

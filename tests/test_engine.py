@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine_helpers import (
+    assert_equals_transformers_generate,
     assert_greedy_equal_or_near_tie,
     assert_no_leaks,
     greedy_request,
@@ -97,12 +98,7 @@ def test_mixed_batch_with_preemption_equals_each_request_alone(tiny_model_dir, r
         alone = run_to_completion(alone_core, [greedy_request(prompt, max_tokens=24)])
         assert_greedy_equal_or_near_tie(together[request.request_id], next(iter(alone.values())),
                                         prompt, reference_logits)
-        with torch.no_grad():
-            expected = reference_model.generate(
-                torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert_greedy_equal_or_near_tie(together[request.request_id], expected, prompt,
-                                        reference_logits)
+    assert_equals_transformers_generate(together, batch, reference_model)
 
 
 def test_abort_frees_blocks_within_one_step(tiny_model_dir):

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.default_model import resolve_model
 from tests.engine_helpers import (
-    assert_greedy_equal_or_near_tie,
+    assert_equals_transformers_generate,
     greedy_request,
     make_core,
     run_to_completion,
@@ -53,16 +53,4 @@ def test_mixed_batch_equals_transformers_generate(smollm2_dir, reference, prompt
     outputs = run_to_completion(core, batch)
     assert core.scheduler.num_preemptions >= 1
     assert any(len(trace.scheduled) >= 3 for trace in core.traces)
-
-    def reference_logits(token_ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return reference(torch.tensor([token_ids])).logits[0, -1]
-
-    for prompt, request in zip(prompts, batch, strict=True):
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                pad_token_id=0)[0, len(prompt):].tolist()
-        assert_greedy_equal_or_near_tie(outputs[request.request_id], expected, prompt,
-                                        reference_logits)
+    assert_equals_transformers_generate(outputs, batch, reference)

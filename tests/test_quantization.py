@@ -26,7 +26,7 @@ from engine.quantized_linear import (
     quantize_linears,
 )
 from tests.engine_helpers import (
-    assert_greedy_equal_or_near_tie,
+    assert_equals_transformers_generate,
     greedy_request,
     make_core,
     run_to_completion,
@@ -195,18 +195,7 @@ def test_served_quantized_equals_transformers_on_the_dequantized_weights(
     batch = [greedy_request(p, max_tokens=16) for p in prompts]
     together = run_to_completion(core, batch)
     assert core.scheduler.num_preemptions >= 1
-
-    def reference_logits(token_ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return reference(torch.tensor([token_ids])).logits[0, -1]
-
-    for prompt, request in zip(prompts, batch, strict=True):
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert_greedy_equal_or_near_tie(together[request.request_id], expected, prompt,
-                                        reference_logits)
+    assert_equals_transformers_generate(together, batch, reference)
 
 
 @pytest.fixture(scope="module")
