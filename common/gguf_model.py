@@ -4,8 +4,8 @@
 directory under $LOOM_CACHE/gguf/ with what the frontend and the engine read besides the
 weights: config.json and generation_config.json from the file's metadata, the tokenizer and
 chat template it carries, and `gguf_source.json` naming the file. The engine reads the
-weights from the GGUF itself (engine/gguf_weights.py), Q4_0 and Q4_1 tensors kept as 4-bit
-codes. The directory is named after the file, so the served model name is the file's stem.
+weights from the GGUF itself (engine/gguf_weights.py), Q4_0, Q4_1 and Q4_K tensors kept as
+4-bit codes. The directory is named after the file, so the served model name is the file's stem.
 
 Importable without torch: launch.py resolves models with it.
 """

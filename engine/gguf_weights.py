@@ -1,12 +1,13 @@
 """Weights read from a GGUF file (`--model FILE.gguf`, see common/gguf_model.py).
 
 Every tensor can be read dequantized to float32 (`float_tensors`, as the default model's
-conversion does). With `--quantization auto` the linears whose GGUF tensors are Q4_0 or Q4_1
-are then replaced by `Int4Linear`s holding the file's own codes (`keep_gguf_quantization`):
-a block of 32 weights with an fp16 scale d (and, Q4_1, minimum m) is exactly a group of 32
-with scale d and zero at code 8 of d·(8 - 8) = 0 (Q4_0) or m + 8·d (Q4_1). Scale and zero are
-held in the model's dtype (bf16 rounds the fp16 values to 8 bits of mantissa).
-Other quantized types stay float, named in one warning line.
+conversion does). With `--quantization auto` the linears whose GGUF tensors are Q4_0, Q4_1
+or Q4_K are then replaced by `Int4Linear`s holding the file's own codes
+(`keep_gguf_quantization`): a block of 32 weights with an fp16 scale d (and, Q4_1, minimum m)
+is exactly a group of 32 with scale d and zero at code 8 of 0 (Q4_0) or m + 8·d (Q4_1); a
+Q4_K super-block is eight such groups (`_q4_k_codes`). Scale and zero are held in the
+model's dtype (bf16 rounds them to 8 bits of mantissa). Other quantized types (Q8_0, Q6_K,
+...) stay float, named in one warning line.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine.quantized_linear import Int4Linear
 logger = logging.getLogger("loom.engine")
 
 Q4_BLOCK = 32
+KEPT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # all exactly groups of 32 with scale, zero
 # The fused modules of engine/models/llama.py and the GGUF tensors stacked into each.
 _LAYER_MODULES = {
     ("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
@@ -52,7 +54,7 @@ def float_tensors(path: Path, config: dict[str, Any], skip: frozenset[str] = fro
 
 def kept_groups(path: Path, config: dict[str, Any]) -> dict[str, list[Any]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
-    codes it will hold: every linear whose tensors are all Q4_0 / Q4_1."""
+    codes it will hold: every linear whose tensors are all of KEPT_TYPES."""
     tensors = {tensor.name: tensor for tensor in read_tensors(path)}
     candidates = {f"model.layers.{index}.{'.'.join(module)}":
                   [f"blk.{index}.{part}.weight" for part in parts]
@@ -62,12 +64,14 @@ def kept_groups(path: Path, config: dict[str, Any]) -> dict[str, list[Any]]:
         candidates["lm_head"] = ["output.weight"]
     groups = {module: [tensors[name] for name in names] for module, names in candidates.items()}
     return {module: members for module, members in groups.items()
-            if all(member.tensor_type.name in ("Q4_0", "Q4_1") for member in members)}
+            if all(member.tensor_type.name in KEPT_TYPES for member in members)}
 
 
 def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q uint8 [N, K] in 0..15, scale float32 [N, K/32], zero float32 [N, K/32]) of a Q4_0
-    or Q4_1 tensor, W = (q - 8)·scale + zero."""
+    """(q uint8 [N, K] in 0..15, scale float32 [N, K/32], zero float32 [N, K/32]) of a Q4_0,
+    Q4_1 or Q4_K tensor, W = (q - 8)·scale + zero."""
+    if tensor.tensor_type.name == "Q4_K":
+        return _q4_k_codes(tensor)
     kind = tensor.tensor_type.name
     rows = int(tensor.shape[1])
     head = 4 if kind == "Q4_1" else 2  # fp16 d (and m), then 16 bytes of codes
@@ -79,6 +83,29 @@ def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).reshape(rows, -1)
     zero = halves[..., 1] + 8 * scale if kind == "Q4_1" else np.zeros_like(scale)
     return q, scale, zero
+
+
+def _q4_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K super-block (256 weights: fp16 d and dmin, twelve bytes of 6-bit scales and
+    mins, 128 bytes of codes) is eight groups of 32 with W = d·sc·q - dmin·m: group scale
+    d·sc, zero at code 8 of 8·d·sc - dmin·m."""
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 144)
+    d, dmin = (blocks[..., i:i + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+               for i in (0, 2))
+    packed = blocks[..., 4:16].astype(np.uint16)
+    low6 = packed[..., 0:8] & 0x3F  # groups 0-3: scales in bytes 0-3, mins in bytes 4-7
+    high = packed[..., 8:12]  # groups 4-7: low four bits here, top two in bytes 0-7's bits 6-7
+    scales = np.concatenate([low6[..., 0:4], (high & 0x0F) | ((packed[..., 0:4] >> 6) << 4)],
+                            axis=-1)
+    mins = np.concatenate([low6[..., 4:8], (high >> 4) | ((packed[..., 4:8] >> 6) << 4)],
+                          axis=-1)
+    codes = blocks[..., 16:].reshape(rows, -1, 4, 32)  # 4 chunks of 64 weights each
+    # Chunk c's byte i holds weight 64c + i in its low nibble and 64c + 32 + i in its high one.
+    q = np.stack([codes & 0x0F, codes >> 4], axis=-2).reshape(rows, -1)
+    scale = (d[..., None] * scales).reshape(rows, -1)
+    zero = (8 * d[..., None] * scales - dmin[..., None] * mins).reshape(rows, -1)
+    return q, scale.astype(np.float32), zero.astype(np.float32)
 
 
 def keep_gguf_quantization(model: nn.Module, path: Path, config: dict[str, Any],
@@ -115,8 +142,8 @@ def _log_kept(tensors: dict[str, Any], kept: set[str], num_layers: int) -> None:
                            if name not in kept and tensor.tensor_type.name not in _FLOAT_TYPES)
     if served_float:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(served_float.items()))
-        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0 and Q4_1 linears "
-                       "alone keep their codes)", kinds)
+        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1 and Q4_K "
+                       "linears alone keep their codes)", kinds)
     logger.info("GGUF: %d linears keep the file's 4-bit codes (%d tensors)", num_layers,
                 len(kept))
 

@@ -36,7 +36,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     """The model on `device`, its linears quantized if asked (engine.quantized_linear), else
     prepacked where that pays (engine.linear); a model that torch.compile will freeze keeps
     plain ones (inductor packs those itself). A directory standing for a GGUF file
-    (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1 linears as they are,
+    (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1/Q4_K linears as they are,
     except in fp32 (torch's int4 kernels are slow there). One that also holds safetensors
     (the default model) reads those whenever it does not keep the codes: the same floats,
     read faster."""

@@ -1,7 +1,8 @@
 """GGUF files served as they are (`--model FILE.gguf`).
 
 Engine tier: a tiny Llama written to a GGUF in the test (Q4_1, Q4_0, Q8_0 and F32 tensors,
-q/k permuted as llama.cpp stores them) loads with its Q4 linears kept as the file's codes,
+q/k permuted as llama.cpp stores them; Q4_K blocks on their own, gguf cannot write them)
+loads with its Q4 linears kept as the file's codes,
 which decode exactly as gguf's own dequantization, and its logits match the float model
 made from those dequantized weights. Start-up errors: a damaged file and another
 architecture name the file and the reason, through launch.py too, which leaves nothing
@@ -25,8 +26,8 @@ from torch import nn
 from bench.launched import REPO_ROOT, free_port
 from common.default_model import default_gguf_file, unpermute_rotary
 from common.gguf_model import prepare_gguf
-from engine.gguf_file import read_tensors
-from engine.gguf_weights import keep_gguf_quantization
+from engine.gguf_file import GGUFTensor, read_tensors
+from engine.gguf_weights import keep_gguf_quantization, q4_codes
 from engine.loader import load_model
 from engine.quantized_linear import Int4Linear
 from tests.launched_server import LaunchedServer
@@ -153,6 +154,24 @@ def test_the_fast_tensor_scan_finds_what_ggufs_reader_finds(tiny_gguf: Path,
     truncated.write_bytes(tiny_gguf.read_bytes()[:-100])
     with pytest.raises(ValueError, match=r"truncated\.gguf: not a readable GGUF file"):
         read_tensors(truncated)
+
+
+def test_q4_k_blocks_reduce_exactly_to_groups_of_32() -> None:
+    """Random Q4_K super-blocks (sane fp16 d and dmin; every scale, min and code pattern
+    else): our codes, scales and zeros give gguf's own dequantization exactly."""
+    import gguf
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    rows, columns = 6, 512
+    raw = rng.integers(0, 256, (rows, columns // 256 * 144), dtype=np.uint8)
+    halves = (rng.random((rows, columns // 256, 2)) * 0.02 + 1e-3).astype(np.float16)
+    raw.reshape(rows, -1, 144)[..., 0:4] = halves.view(np.uint8).reshape(rows, -1, 4)
+    kind = gguf.GGMLQuantizationType.Q4_K
+    q, scale, zero = q4_codes(GGUFTensor("blk.0.ffn_up.weight", kind, (columns, rows), raw))
+    ours = (q.reshape(rows, -1, 32) - 8.0) * scale[..., None] + zero[..., None]
+    expected = dequantize(raw, kind).reshape(rows, columns)
+    assert np.array_equal(ours.reshape(rows, columns).astype(np.float32), expected)
 
 
 def test_rotary_permutation_round_trips() -> None:
