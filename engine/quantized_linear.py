@@ -49,6 +49,7 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = shape
         self.bias = None if bias is None else bias.detach()
         self.dense: nn.Module | None = None
+        self._dense_call: nn.Module | None = None
         self.kernel_rows = self.max_kernel_rows  # 0 once a dense copy takes every step
 
     def finish_loading(self) -> None:
@@ -66,6 +67,7 @@ class QuantizedLinear(nn.Module):
     def keep_dense_copy(self, dtype: torch.dtype) -> None:
         """A packed copy of the dequantized weight for steps above `max_kernel_rows` tokens."""
         self.dense = PackedLinear(self.dequantized_weight().to(dtype), self.bias)
+        object.__setattr__(self, "_dense_call", self.dense)
 
     def keep_float_copy(self) -> None:
         """The dequantized weight in fp32, for every step (the kernels are slow in fp32)."""
@@ -75,6 +77,7 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             self.dense.bias.data = self.bias.float()
         self.dense.requires_grad_(False)
+        object.__setattr__(self, "_dense_call", self.dense)
         self.kernel_rows = 0
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -85,13 +88,14 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.dense is not None and rows.shape[0] > self.kernel_rows:
-            return self.dense(x)
-        y = self.product(rows)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        if x.dim() != 2:  # the engine's activations are [tokens, features] already
+            return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
+        # `_dense_call` is `dense` held as a plain attribute: nn.Module's __getattr__ costs
+        # ~1 µs a lookup, and a decode step makes hundreds of these calls.
+        if x.shape[0] > self.kernel_rows and self._dense_call is not None:
+            return self._dense_call(x)
+        y = self.product(x)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method}"
@@ -113,13 +117,14 @@ class Int8Linear(QuantizedLinear):
         qweight, scale = per_channel_int8(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(weight.dtype))  # the kernel's dtype is x's
+        self._kernel_args = (self.qweight, self.scale)  # plain: no __getattr__ per call
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.float() * self.scale.float()[:, None]
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
+            return torch.ops.aten._weight_int8pack_mm(x, *self._kernel_args)
         return x @ self.dequantized_weight().to(x.dtype).T
 
 
@@ -164,6 +169,9 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32), 1) if on_cpu else None)
         self.register_buffer("q", None if on_cpu else q.to(torch.uint8))
+        # The kernel's arguments as a plain attribute (no nn.Module __getattr__ per call).
+        self._kernel_args = ((self.packed, self.group_size, self.scales_and_zeros) if on_cpu
+                             else None)
 
     def dequantized_weight(self) -> torch.Tensor:
         """(q - 8)·s + z in float32, with s and z as stored (rounded to the model's dtype)."""
@@ -190,9 +198,8 @@ class Int4Linear(QuantizedLinear):
         self._loading_codes = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.packed, self.group_size, self.scales_and_zeros)
+        if self._kernel_args is not None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)
         return x @ self.dequantized_weight().to(x.dtype).T
 
 
