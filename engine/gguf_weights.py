@@ -15,14 +15,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from engine.gguf_file import read_tensors
+from engine.gguf_file import GGUFTensor
 from engine.quantized_linear import Int4Linear
 
 logger = logging.getLogger("loom.engine")
@@ -38,13 +37,13 @@ _LAYER_MODULES = {
 }
 
 
-def float_tensors(path: Path, config: dict[str, Any], skip: frozenset[str] = frozenset()
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
+                  skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; those named in
     `skip` (GGUF names, about to be replaced by their codes) come uninitialized."""
     from common.default_model import dequantize_tensor
 
-    for tensor in read_tensors(path):
+    for tensor in tensors:
         if tensor.name in skip:
             yield _hf_name(tensor.name), torch.empty(tuple(reversed(tensor.shape)))
             continue
@@ -52,17 +51,18 @@ def float_tensors(path: Path, config: dict[str, Any], skip: frozenset[str] = fro
         yield name, torch.from_numpy(weight if weight.flags.writeable else weight.copy())
 
 
-def kept_groups(path: Path, config: dict[str, Any]) -> dict[str, list[Any]]:
+def kept_groups(tensors: list[GGUFTensor], config: dict[str, Any]
+                ) -> dict[str, list[GGUFTensor]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
     codes it will hold: every linear whose tensors are all of KEPT_TYPES."""
-    tensors = {tensor.name: tensor for tensor in read_tensors(path)}
+    by_name = {tensor.name: tensor for tensor in tensors}
     candidates = {f"model.layers.{index}.{'.'.join(module)}":
                   [f"blk.{index}.{part}.weight" for part in parts]
                   for index in range(config["num_hidden_layers"])
                   for module, parts in _LAYER_MODULES.items()}
     if not config["tie_word_embeddings"]:
         candidates["lm_head"] = ["output.weight"]
-    groups = {module: [tensors[name] for name in names] for module, names in candidates.items()}
+    groups = {module: [by_name[name] for name in names] for module, names in candidates.items()}
     return {module: members for module, members in groups.items()
             if all(member.tensor_type.name in KEPT_TYPES for member in members)}
 
@@ -108,14 +108,14 @@ def _q4_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32), zero.astype(np.float32)
 
 
-def keep_gguf_quantization(model: nn.Module, path: Path, config: dict[str, Any],
+def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
+                           groups: dict[str, list[GGUFTensor]], config: dict[str, Any],
                            dtype: torch.dtype) -> list[Int4Linear]:
-    """Replaces each linear of `kept_groups` by an Int4Linear of the file's codes; returns
-    them. Logs the quantized types served as float instead."""
+    """Replaces each linear of `groups` (see `kept_groups`) by an Int4Linear of the file's
+    codes; returns them. Logs the quantized types served as float instead."""
     from common.default_model import unpermute_if_rotary
 
     made: list[Int4Linear] = []
-    groups = kept_groups(path, config)
     for module_name, members in groups.items():
         codes = [[unpermute_if_rotary(_hf_name(member.name), array, config)
                   for array in q4_codes(member)] for member in members]
@@ -127,7 +127,7 @@ def keep_gguf_quantization(model: nn.Module, path: Path, config: dict[str, Any],
                                           dtype))
         setattr(parent, attribute, made[-1])
     kept = {member.name for members in groups.values() for member in members}
-    _log_kept({tensor.name: tensor for tensor in read_tensors(path)}, kept, len(made))
+    _log_kept(tensors, kept, len(made))
     return made
 
 
@@ -137,9 +137,9 @@ def _hf_name(gguf_name: str) -> str:
     return hf_tensor_name(gguf_name)
 
 
-def _log_kept(tensors: dict[str, Any], kept: set[str], num_layers: int) -> None:
-    served_float = Counter(tensor.tensor_type.name for name, tensor in tensors.items()
-                           if name not in kept and tensor.tensor_type.name not in _FLOAT_TYPES)
+def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int) -> None:
+    served_float = Counter(kind for tensor in tensors if tensor.name not in kept
+                           and (kind := tensor.tensor_type.name) not in _FLOAT_TYPES)
     if served_float:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(served_float.items()))
         logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1 and Q4_K "

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from common.gguf_model import gguf_source
+from engine.gguf_file import read_tensors
 from engine.gguf_weights import float_tensors, keep_gguf_quantization, kept_groups
 from engine.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
@@ -49,9 +50,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     source = gguf_source(directory)
     keep_codes = source is not None and quantization == "auto" and dtype != torch.float32
     if source is not None and (keep_codes or not any(directory.glob("*.safetensors"))):
-        skip = frozenset(member.name for members in kept_groups(source, hf_config).values()
-                         for member in members) if keep_codes else frozenset()
-        tensors = float_tensors(source, hf_config, skip)
+        gguf_tensors = read_tensors(source)
+        groups = kept_groups(gguf_tensors, hf_config) if keep_codes else {}
+        skip = frozenset(member.name for members in groups.values() for member in members)
+        tensors = float_tensors(gguf_tensors, hf_config, skip)
     else:
         tensors = _read_safetensors(directory, device)
     weights = dict(_merged_weights(tensors, dtype))
@@ -59,7 +61,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device).eval().requires_grad_(False)
     if keep_codes:
-        attach_dense_copies(keep_gguf_quantization(model, source, hf_config, dtype))
+        attach_dense_copies(
+            keep_gguf_quantization(model, gguf_tensors, groups, hf_config, dtype))
     else:
         quantize_linears(model, "none" if quantization == "auto" else quantization, group_size)
     if prepack:

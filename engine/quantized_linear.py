@@ -42,6 +42,7 @@ class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b for a weight held quantized; subclasses say how."""
 
     method = "none"
+    weight_only = True  # activations stay float: a dense copy computes the same function
     max_kernel_rows = 0  # weight-only, bf16: steps of more tokens run on the dense copy
 
     def __init__(self, shape: torch.Size, bias: torch.Tensor | None) -> None:
@@ -205,6 +206,7 @@ class Int4Linear(QuantizedLinear):
 
 class W8A8Linear(QuantizedLinear):
     method = "w8a8"
+    weight_only = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.shape, bias)
@@ -261,21 +263,19 @@ def quantize_linears(model: nn.Module, method: str,
     if getattr(model, "lm_head", ()) is None:
         made.append(make(model.model.embed_tokens.weight, None))
         model.lm_head = made[-1]
-    if method != "w8a8":
-        attach_dense_copies(made)
-    for layer in made:
-        layer.finish_loading()
+    attach_dense_copies(made)
     return made
 
 
 def attach_dense_copies(layers: list[QuantizedLinear]) -> None:
-    """Weight-only layers get their packed bf16 copy where oneDNN packs bf16 natively, an fp32
-    one in an fp32 model (see the module's docstring)."""
+    """The last step of loading quantized layers: weight-only ones get their packed bf16 copy
+    where oneDNN packs bf16 natively, an fp32 one in an fp32 model (see the module's
+    docstring); w8a8 ones none."""
     for layer in layers:
         dtype = layer.dense_dtype
-        if dtype == torch.float32:
+        if layer.weight_only and dtype == torch.float32:
             layer.keep_float_copy()
-        elif packing_applies(layer.device, dtype):
+        elif layer.weight_only and packing_applies(layer.device, dtype):
             layer.keep_dense_copy(dtype)
         layer.finish_loading()
 

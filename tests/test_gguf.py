@@ -27,7 +27,7 @@ from bench.launched import REPO_ROOT, free_port
 from common.default_model import default_gguf_file, unpermute_rotary
 from common.gguf_model import prepare_gguf
 from engine.gguf_file import GGUFTensor, read_tensors
-from engine.gguf_weights import keep_gguf_quantization, q4_codes
+from engine.gguf_weights import keep_gguf_quantization, kept_groups, q4_codes
 from engine.loader import load_model
 from engine.quantized_linear import Int4Linear
 from tests.launched_server import LaunchedServer
@@ -112,7 +112,9 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
     quantized = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert not any(isinstance(module, Int4Linear) for module in quantized.modules())
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    kept = keep_gguf_quantization(quantized, tiny_gguf, config, torch.float32)
+    tensors = read_tensors(tiny_gguf)
+    kept = keep_gguf_quantization(quantized, tensors, kept_groups(tensors, config), config,
+                                  torch.float32)
     assert len(kept) == 3 * TINY_LLAMA["num_hidden_layers"] + 1
     layer = quantized.model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
