@@ -15,7 +15,6 @@ float weights Loom converts it to.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.datasets import DEFAULT_PROMPTS_FILE, BenchTokenizer
+from bench.datasets.prompts_file import load_prompts
 from common.config import EngineConfig
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
@@ -45,8 +45,7 @@ class Quality:
 
 
 def quality_text(tokenizer: BenchTokenizer, num_tokens: int) -> list[int]:
-    with open(DEFAULT_PROMPTS_FILE, encoding="utf-8") as lines:
-        prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    prompts = [record.prompt for record in load_prompts(DEFAULT_PROMPTS_FILE)]
     tokens = tokenizer.encode("\n\n".join(prompts))
     if len(tokens) < num_tokens:
         raise SystemExit(f"the text holds only {len(tokens)} tokens")
@@ -80,9 +79,8 @@ def greedy_answers(core: EngineCore, prompts: list[list[int]], max_tokens: int) 
 
 
 def chat_prompts(tokenizer: BenchTokenizer, count: int) -> list[list[int]]:
-    with open(DEFAULT_PROMPTS_FILE, encoding="utf-8") as lines:
-        records = [json.loads(line) for line in lines if line.strip()]
-    chats = [record["prompt"] for record in records if record["kind"] == "chat"][:count]
+    records = load_prompts(DEFAULT_PROMPTS_FILE)
+    chats = [record.prompt for record in records if record.kind == "chat"][:count]
     return [tokenizer.encode_chat(prompt) for prompt in chats]
 
 
