@@ -55,15 +55,6 @@ class EngineConfig:
                              f"not {self.quantization!r}")
         if self.quantization_group_size < 1:
             raise ValueError("quantization_group_size must be positive")
-        if self.compiled and self.quantization not in ("auto", "none"):
-            raise ValueError("--compile serves float weights only: drop --quantization or "
-                             "--compile")
-
-    @property
-    def load_quantization(self) -> str:
-        """What the loader is asked for: `auto` keeps a GGUF's own 4-bit linears (float for
-        safetensors), except that a compiled forward serves float weights only."""
-        return "none" if self.compiled else self.quantization
 
     @property
     def compiled(self) -> bool:
@@ -124,8 +115,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-enable-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--compile", action="store_true",
-                        help="torch.compile the forward (inductor, frozen weights); compiles "
-                             "for ~1 min at every start")
+                        help="torch.compile the forward (inductor); the first start compiles "
+                             "for ~1 min, later ones load the compile cache")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="never compile the forward (the default; wins over --compile)")
     engine.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,

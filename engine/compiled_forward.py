@@ -2,15 +2,14 @@
 
 - Attention stays one opaque op (`loom::paged_attention`, see engine.attention.attend) that
   reads the step's metadata from the forward context, so each step is one whole graph.
-- While tracing, engine.fused_ops hands inductor plain torch ops, which it fuses itself.
-- Freezing: weights become constants and inductor prepacks the linears it finds.
+- Packed and quantized linears stay the eager path's layers, each called as one opaque op
+  (`loom::linear`, engine.linear_op); inductor fuses what lies between them. While tracing,
+  engine.fused_ops hands inductor plain torch ops, which it fuses itself.
+- No freezing: the graph holds no weights, so inductor's FX graph cache (under
+  $LOOM_CACHE/inductor) stores it and a warm start loads it instead of recompiling. (Frozen
+  weights that inductor prepacks for oneDNN bypass that cache: "mkldnn tensors unpickleable".)
 - The token count varies per step: a lone decode (one token) gets a static graph, every other
   count one dynamic graph; `warm_up` compiles both before the engine says READY.
-- Inductor's caches live under $LOOM_CACHE/inductor. In torch 2.13 a graph whose frozen
-  weights inductor has prepacked for oneDNN bypasses the FX graph cache ("mkldnn tensors
-  unpickleable"), so every start recompiles (about 20 s per graph on 2 cores); without the
-  prepacking the GEMMs lose what makes compiling worth it. Hence compiling is opt-in
-  (`--compile`): the eager path prepacks the same way and starts in seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default_cache_dir
 
 from common.default_model import default_cache_dir
 
@@ -31,11 +31,12 @@ Forward = Callable[[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.T
 
 
 def configure_inductor() -> None:
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
-    import torch._inductor.config as inductor_config
+    """Inductor's caches go under $LOOM_CACHE unless TORCHINDUCTOR_CACHE_DIR says otherwise
+    (torch writes its own default into that variable the first time it reads it)."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, torch_default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "inductor")
     import torch.fx.experimental._config as fx_config
 
-    inductor_config.freezing = True
     # A batch of 64 tokens must not be unified with head_dim 64 (a recompile per batch size).
     fx_config.use_duck_shape = False
 

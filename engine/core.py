@@ -57,8 +57,7 @@ class EngineCore:
         self.dtype = choose_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device,
-                                prepack=not config.compiled,
-                                quantization=config.load_quantization,
+                                quantization=config.quantization,
                                 group_size=config.quantization_group_size)
         logger.info("weights: %.1f MiB (%s, %s); engine RSS %s", weight_bytes(self.model) / 2**20,
                     self.dtype, quantization_summary(self.model), _rss_text())

@@ -14,6 +14,8 @@ import functools
 import torch
 from torch import nn
 
+from engine.linear_op import register_opaque_linear
+
 
 @functools.cache
 def native_bf16_matmul() -> bool:
@@ -36,8 +38,11 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else bias.detach()
+        self.handle = register_opaque_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.loom.linear(x, self.handle)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
                                                   "")
 

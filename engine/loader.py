@@ -32,11 +32,10 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
-               prepack: bool = True, quantization: str = "auto",
+               quantization: str = "auto",
                group_size: int = DEFAULT_GROUP_SIZE) -> LlamaForCausalLM:
     """The model on `device`, its linears quantized if asked (engine.quantized_linear), else
-    prepacked where that pays (engine.linear); a model that torch.compile will freeze keeps
-    plain ones (inductor packs those itself). A directory standing for a GGUF file
+    prepacked where that pays (engine.linear). A directory standing for a GGUF file
     (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1/Q4_K linears as they are,
     except in fp32 (torch's int4 kernels are slow there). One that also holds safetensors
     (the default model) reads those whenever it does not keep the codes: the same floats,
@@ -65,8 +64,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
             keep_gguf_quantization(model, gguf_tensors, groups, hf_config, dtype))
     else:
         quantize_linears(model, "none" if quantization == "auto" else quantization, group_size)
-    if prepack:
-        prepack_linears(model, device, dtype)
+    prepack_linears(model, device, dtype)
     return model
 
 

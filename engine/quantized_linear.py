@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from engine.linear import PackedLinear, packing_applies
+from engine.linear_op import register_opaque_linear
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "w8a8")
 DEFAULT_GROUP_SIZE = 32
@@ -52,6 +53,7 @@ class QuantizedLinear(nn.Module):
         self.dense: nn.Module | None = None
         self._dense_call: nn.Module | None = None
         self.kernel_rows = self.max_kernel_rows  # 0 once a dense copy takes every step
+        self.handle = register_opaque_linear(self)
 
     def finish_loading(self) -> None:
         """Drops what only loading needed."""
@@ -89,6 +91,8 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.loom.linear(x, self.handle)
         if x.dim() != 2:  # the engine's activations are [tokens, features] already
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
         # `_dense_call` is `dense` held as a plain attribute: nn.Module's __getattr__ costs

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
 from torch._dynamo.utils import counters
 
+from bench.launched import REPO_ROOT
 from engine.compiled_forward import compile_forward
 from engine.forward_context import forward_context
 from engine.loader import load_model
@@ -45,8 +51,7 @@ def test_compiled_logits_match_eager_over_prefill_and_decode_steps(tmp_path) -> 
 
 
 def test_after_warm_up_no_token_count_recompiles(tmp_path) -> None:
-    model = load_model(build_tiny_llama_dir(tmp_path), torch.float32, torch.device("cpu"),
-                       prepack=False)
+    model = load_model(build_tiny_llama_dir(tmp_path), torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, 64, BLOCK_SIZE, torch.device("cpu"), torch.float32,
                          compiled=True)
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
@@ -54,3 +59,34 @@ def test_after_warm_up_no_token_count_recompiles(tmp_path) -> None:
     for num_tokens in (1, 3, HEAD_DIM, 64, 37):
         runner._placeholder_step(num_tokens)
     assert counters["stats"]["unique_graphs"] == graphs_after_warm_up
+
+
+WARM_UP_AND_COUNT = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+model = load_model(sys.argv[1], torch.float32, torch.device("cpu"), quantization="int4")
+ModelRunner(model, 64, 4, torch.device("cpu"), torch.float32, compiled=True)
+print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+def test_a_restarted_engine_loads_its_graphs_from_the_compile_cache(tmp_path) -> None:
+    """A warm start: the graph holds no frozen weights, so inductor's FX graph cache (under
+    $LOOM_CACHE) stores it (int4: every linear is an opaque `loom::linear` call, any CPU)."""
+    model_dir = build_tiny_llama_dir(tmp_path)
+    env = {name: value for name, value in os.environ.items()
+           if name != "TORCHINDUCTOR_CACHE_DIR"}
+    env["LOOM_CACHE"] = str(tmp_path / "cache")
+
+    def start() -> dict[str, int]:
+        result = subprocess.run([sys.executable, "-c", WARM_UP_AND_COUNT, model_dir], env=env,
+                                cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        return json.loads(result.stdout.splitlines()[-1])
+
+    cold = start()
+    assert cold.get("fxgraph_cache_miss", 0) >= 2 and cold.get("fxgraph_cache_hit", 0) == 0
+    assert any((tmp_path / "cache" / "inductor").iterdir())
+    warm = start()
+    assert warm.get("fxgraph_cache_hit", 0) >= 2 and warm.get("fxgraph_cache_miss", 0) == 0

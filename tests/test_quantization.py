@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from common.config import EngineConfig
 from engine.loader import load_model
 from engine.quantized_linear import (
     Int4Linear,
@@ -139,12 +138,6 @@ def test_quantize_linears_replaces_every_linear_and_a_tied_head() -> None:
         quantize_linears(model, "int3")
 
 
-def test_compile_with_quantization_is_refused_at_configuration() -> None:
-    with pytest.raises(ValueError, match="--compile serves float weights only"):
-        EngineConfig(model="m", compile=True, quantization="int8")
-    EngineConfig(model="m", compile=True, enforce_eager=True, quantization="int8")
-
-
 def dequantized_reference(hf_model: nn.Module, engine_model: nn.Module, method: str):
     """The transformers model with the engine's dequantized weights (fused projections split
     back) and, for w8a8, every linear's input fake-quantized per token."""
@@ -171,15 +164,18 @@ def dequantized_reference(hf_model: nn.Module, engine_model: nn.Module, method: 
     return hf_model
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("method", METHODS)
 def test_served_quantized_equals_transformers_on_the_dequantized_weights(
-        method: str, tmp_path: Path) -> None:
+        method: str, compiled: bool, tmp_path: Path) -> None:
+    """The compiled forward calls the same quantized layers (`loom::linear`)."""
     hf_model = build_tiny_hf_model()
     model_dir = tmp_path / "tiny"
     hf_model.save_pretrained(model_dir)
     # 10 blocks of 16 tokens for 5 requests of up to 40 + 16 tokens: preemption is certain.
     core = make_core(str(model_dir), quantization=method, num_kv_blocks=10,
-                     max_num_batched_tokens=32)
+                     max_num_batched_tokens=32, compile=compiled)
+    assert (core.runner.forward is not core.model) == compiled
     assert all(isinstance(module, LAYERS[method]) for module in core.model.modules()
                if isinstance(module, QuantizedLinear))
     reference = dequantized_reference(hf_model, core.model, method)
