@@ -35,6 +35,7 @@ class EngineConfig:
     enforce_eager: bool = False  # vLLM's flag: never compile, whatever `compile` says
     quantization: str = "auto"  # auto (a GGUF's own) | none | int8 | int4 | w8a8
     quantization_group_size: int = 32  # int4: input channels per scale and zero
+    grammar_compile_timeout: float = 5.0  # seconds a structured-output grammar may take to build
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -55,6 +56,8 @@ class EngineConfig:
                              f"not {self.quantization!r}")
         if self.quantization_group_size < 1:
             raise ValueError("quantization_group_size must be positive")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be positive")
 
     @property
     def compiled(self) -> bool:
@@ -89,6 +92,7 @@ class EngineConfig:
             enforce_eager=args.enforce_eager,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
+            grammar_compile_timeout=args.grammar_compile_timeout,
         )
 
 
@@ -125,3 +129,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "holds them")
     engine.add_argument("--quantization-group-size", type=int, default=32,
                         help="int4: input channels sharing one scale and zero (default 32)")
+    engine.add_argument("--grammar-compile-timeout", type=float, default=5.0,
+                        help="seconds a structured-output grammar may take to compile before "
+                             "its request fails (default 5)")

@@ -17,8 +17,9 @@ import msgpack
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
 
 
 class FrameError(ValueError):
@@ -266,7 +267,7 @@ def decode(frame: bytes) -> Message:
             frame,
             raw=False,
             strict_map_key=False,
-            max_str_len=1024 * 1024,
+            max_str_len=MAX_STRING_BYTES,
             max_bin_len=MAX_FRAME_BYTES,
             max_array_len=1024 * 1024,
             max_map_len=64 * 1024,

@@ -35,6 +35,7 @@ def main() -> int:
         with os.fdopen(args.ready_fd, "wb") as ready_pipe:
             ready_pipe.write(encode(core.ready_message))
     logging.getLogger("loom.engine").info("ready: %s", core.ready_message)
+    core.grammars.preload()
     server.serve_forever()
     return 0
 

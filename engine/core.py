@@ -13,15 +13,23 @@ from dataclasses import dataclass
 import torch
 
 from common.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
-from common.protocol import AddRequest, Ready, RequestOutput, StepOutputs, StepStats
+from common.protocol import (
+    AddRequest,
+    Ready,
+    RequestError,
+    RequestOutput,
+    StepOutputs,
+    StepStats,
+)
 from engine.attention import load_cpp_decode
 from engine.block_manager import BlockManager
+from engine.grammar import GrammarBuild, GrammarCompiler
 from engine.loader import choose_dtype, load_model, weight_bytes
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.quantized_linear import quantization_summary
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler, StepTrace
+from engine.scheduler import RequestRefused, Scheduler, StepTrace
 
 logger = logging.getLogger("loom.engine")
 
@@ -41,6 +49,12 @@ def _rss_text() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+@dataclass(slots=True)
+class AwaitingGrammar:
+    request: Request
+    build: GrammarBuild
 
 
 @dataclass(slots=True)
@@ -77,6 +91,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device,
                                   self.dtype, compiled=config.compiled)
         self.sampler = Sampler(self.device, config.seed)
+        self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
+        self.awaiting_grammar: dict[str, AwaitingGrammar] = {}
         if self.device.type == "cpu":
             load_cpp_decode()  # compile (or load the cached) decode kernel before READY
         self.totals = EngineTotals()
@@ -121,18 +137,67 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------
     def add_request(self, message: AddRequest) -> None:
-        """Raises RequestRefused when the request can never be served."""
+        """Raises RequestRefused when the request can never be served. A constrained request
+        waits outside the scheduler (no seat, no KV block) until its grammar is built."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling,
                           message.arrival_time, message.priority)
-        self.scheduler.add(request)
+        grammar = request.sampling.grammar
+        if grammar is None:
+            self.scheduler.add(request)
+            return
+        if request.request_id in self.awaiting_grammar:
+            raise RequestRefused(f"request id {request.request_id!r} is already in use")
+        self.scheduler.check_new(request)
+        self.awaiting_grammar[request.request_id] = AwaitingGrammar(
+            request, self.grammars.submit(grammar))
+
+    def admit_constrained(self) -> list[RequestError]:
+        """Moves each request whose grammar is built into the scheduler, with its own matcher;
+        fails those whose grammar errs or outlasts --grammar-compile-timeout."""
+        errors = []
+        now = time.monotonic()
+        for request_id, waiting in list(self.awaiting_grammar.items()):
+            build = waiting.build.future
+            if not build.done():
+                if waiting.build.running_for(now) > self.config.grammar_compile_timeout:
+                    del self.awaiting_grammar[request_id]
+                    errors.append(RequestError(request_id, (
+                        f"the structured-output grammar took more than "
+                        f"{self.config.grammar_compile_timeout:g} s to compile")))
+                continue
+            del self.awaiting_grammar[request_id]
+            try:
+                matcher = build.result()
+            except Exception as exc:  # whatever a build raises fails its request only
+                errors.append(RequestError(request_id, f"invalid structured-output grammar: {exc}"))
+                continue
+            waiting.request.matcher = matcher.deep_copy()
+            try:
+                self.scheduler.add(waiting.request)
+            except RequestRefused as exc:
+                errors.append(RequestError(request_id, str(exc)))
+        for error in errors:
+            logger.info("refused %s: %s", error.request_id, error.reason)
+        return errors
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            waiting = self.awaiting_grammar.pop(request_id, None)
+            if waiting is not None and not self._grammar_awaited(waiting.request.sampling.grammar):
+                self.grammars.forget(waiting.request.sampling.grammar)
         for request in self.scheduler.abort(request_ids):
             self.sampler.forget(request.request_id)
+
+    def _grammar_awaited(self, grammar: str | None) -> bool:
+        return any(w.request.sampling.grammar == grammar for w in self.awaiting_grammar.values())
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        return len(self.awaiting_grammar)
 
     # --- one step ------------------------------------------------------------------------
     def step(self) -> StepOutputs:
@@ -180,7 +245,7 @@ class EngineCore:
     def _stats(self, num_prompt_tokens: int, num_generated: int, step_time: float) -> StepStats:
         return StepStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.awaiting_grammar),
             kv_cache_usage=self.block_manager.usage,
             num_preemptions_total=self.scheduler.num_preemptions,
             num_prompt_tokens=num_prompt_tokens,

@@ -1,10 +1,12 @@
 """Per-request edits of a step's logits before sampling, batched over all sampling rows:
-min_tokens stop suppression, repetition / presence / frequency penalties, logit_bias."""
+min_tokens stop suppression, repetition / presence / frequency penalties, logit_bias, and
+last the grammar mask of constrained requests (engine.grammar)."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.grammar import mask_logits
 from engine.request import Request
 
 
@@ -20,6 +22,9 @@ def process_logits(logits: torch.Tensor, requests: list[Request],
     if stop_rows:
         edited = edited if edited is not logits else logits.clone()
         edited[stop_rows, stop_columns] = float("-inf")
+    if any(r.matcher is not None for r in requests):
+        edited = mask_logits(edited if edited is not logits else logits.clone(),
+                             [r.matcher for r in requests])
     return edited
 
 

@@ -122,14 +122,18 @@ class Scheduler:
                 f"({self.config.max_num_batched_tokens}) and chunked prefill is off")
 
     def add(self, request: Request) -> None:
+        self.check_new(request)
+        request.arrival_order = next(self._arrivals)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def check_new(self, request: Request) -> None:
+        """Raises RequestRefused when `request` can never be served here."""
         if request.request_id in self.requests:
             raise RequestRefused(f"request id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:
             raise RequestRefused("the prompt is empty")
         self.check_admissible(request)
-        request.arrival_order = next(self._arrivals)
-        self.requests[request.request_id] = request
-        self._enqueue(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = []

@@ -25,6 +25,7 @@ from engine.stats_log import StatsLogger
 logger = logging.getLogger("loom.engine")
 
 IDLE_POLL_MS = 1000
+GRAMMAR_POLL_MS = 2  # idle, but a constrained request waits for its grammar build
 
 
 class EngineServer:
@@ -46,10 +47,13 @@ class EngineServer:
                     if was_busy:
                         self._report_idle()
                     was_busy = False
-                    if not self.requests.poll(IDLE_POLL_MS):
+                    waiting = self.core.num_awaiting_grammar
+                    if not self.requests.poll(GRAMMAR_POLL_MS if waiting else IDLE_POLL_MS):
                         self._stop_if_orphaned()
+                        self._admit_constrained()
                         continue
                 self._drain_requests()
+                self._admit_constrained()
                 if self.running and self.core.has_work:
                     was_busy = True
                     step_outputs = self.core.step()
@@ -58,6 +62,11 @@ class EngineServer:
                     self.stats_logger.observe(step_outputs.stats)
         finally:
             self.close()
+
+    def _admit_constrained(self) -> None:
+        if self.core.num_awaiting_grammar:
+            for error in self.core.admit_constrained():
+                self.outputs.send(encode(error))
 
     def _report_idle(self) -> None:
         """Going idle: check that no KV block leaked, and tell the frontend we are at rest."""

@@ -35,6 +35,7 @@ from frontend.schemas import (
 from frontend.sse import EventStream
 from frontend.state import STATE, ServerState
 from frontend.stream_merge import merge
+from frontend.structured_outputs import build_grammar
 
 logger = logging.getLogger("loom.frontend.api")
 Parsed = TypeVar("Parsed", CompletionRequest, ChatRequest)
@@ -48,6 +49,9 @@ async def _read_request(request: web.Request, parse: Callable[[dict[str, Any], i
     _, info = state.ready_engine()
     parsed = parse(body, info.vocab_size)
     state.check_model(parsed.options.model)
+    if parsed.options.structured is not None:
+        parsed.options.sampling_fields["grammar"] = await asyncio.to_thread(
+            build_grammar, parsed.options.structured)
     return state, parsed
 
 

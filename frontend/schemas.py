@@ -15,6 +15,7 @@ from common.sampling import SamplingParams
 from frontend.body_reader import BodyReader, check_token_id
 from frontend.errors import APIError, invalid_param
 from frontend.prompt_input import Prompt, parse_prompts
+from frontend.structured_outputs import StructuredOutput, structured_output_of
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -41,6 +42,8 @@ class GenerationOptions:
     # Keyword arguments for common.sampling.SamplingParams: every field but max_tokens (known
     # only per prompt, once its length is) and logprobs (above).
     sampling_fields: dict[str, Any] = field(default_factory=dict)
+    # The output's constraint; its grammar is built on a thread by the handler (openai_api).
+    structured: StructuredOutput | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         min_tokens = self.sampling_fields.get("min_tokens", 0)
@@ -156,6 +159,7 @@ def _parse_options(
             "stop_token_ids": reader.token_id_list("stop_token_ids", vocab_size),
             "logit_bias": _parse_logit_bias(reader.body.get("logit_bias"), vocab_size),
         },
+        structured=structured_output_of(reader.body),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import wait
 
 import torch
 
@@ -26,22 +27,30 @@ def greedy_request(prompt: list[int], max_tokens: int, request_id: str | None = 
     return AddRequest(request_id or f"req-{next(_ids)}", prompt, params, 0.0)
 
 
-def run_to_completion(core: EngineCore, requests: list[AddRequest],
-                      max_steps: int = 100_000) -> dict[str, list[int]]:
-    """Adds every request, steps until idle; returns each request's output token ids."""
+def run_to_completion(core: EngineCore, requests: list[AddRequest], max_steps: int = 100_000,
+                      finish_reasons: dict[str, str] | None = None) -> dict[str, list[int]]:
+    """Adds every request, steps until idle; returns each request's output token ids (and
+    fills `finish_reasons` when given). Constrained requests join once their grammar is
+    built, as in the engine process."""
     for request in requests:
         core.add_request(request)
     outputs: dict[str, list[int]] = {request.request_id: [] for request in requests}
     finished: set[str] = set()
+    reasons = {} if finish_reasons is None else finish_reasons
     for _ in range(max_steps):
+        assert core.admit_constrained() == []
         if not core.has_work:
-            break
+            if not core.num_awaiting_grammar:
+                break
+            wait([waiting.build.future for waiting in core.awaiting_grammar.values()], timeout=60)
+            continue
         for output in core.step().outputs:
             assert output.request_id not in finished, "tokens after the finish"
             outputs[output.request_id].extend(output.new_token_ids)
             if output.finish_reason is not None:
                 finished.add(output.request_id)
-    assert not core.has_work, "engine did not drain"
+                reasons[output.request_id] = output.finish_reason
+    assert not core.has_work and not core.num_awaiting_grammar, "engine did not drain"
     assert finished == set(outputs), "some requests never finished"
     assert_no_leaks(core)
     return outputs

@@ -1,0 +1,127 @@
+"""Grammars of constrained requests (`SamplingParams.grammar`): compiled off the step loop,
+one matcher per request, one token bitmask per constrained row of a step.
+
+- `GrammarCompiler` builds llguidance matchers on one worker thread (llguidance drops the
+  GIL while it builds), so a slow grammar never stalls other requests' steps. Each distinct
+  grammar is built once; a request gets a copy of the built matcher. The tokenizer is read
+  from the model directory the first time a grammar arrives: a server that never sees one
+  never loads it.
+- A request waiting for its grammar holds no seat and no KV block (EngineCore keeps it
+  outside the scheduler) and fails with a clear error when its grammar errs or its build
+  runs longer than the time limit (counted from the build's start: neither the queue behind
+  other builds nor loading the tokenizer counts). The engine process loads the tokenizer on
+  the worker right after READY (`preload`), while it idles.
+- `mask_logits` sets every token the grammar forbids to -inf in the constrained rows;
+  `Request.append_token` advances the matcher with each sampled token, and a matcher that
+  accepts nothing more finishes the request (finish reason `stop`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+BITS = 32
+
+
+class GrammarError(ValueError):
+    """The grammar cannot constrain this request (invalid, or too slow to build)."""
+
+
+@dataclass(slots=True)
+class GrammarBuild:
+    """One grammar's build on the worker: `future` holds the pristine matcher."""
+
+    future: Future[Any] = field(default_factory=Future)
+    started_at: float | None = None  # monotonic, once the worker begins building
+
+    def running_for(self, now: float) -> float:
+        return 0.0 if self.started_at is None or self.future.done() else now - self.started_at
+
+
+class GrammarCompiler:
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._builds: dict[str, GrammarBuild] = {}
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+        self.num_built = 0
+
+    def preload(self) -> None:
+        """Loads the tokenizer on the worker, ahead of the first grammar."""
+        self._executor.submit(self.tokenizer)
+
+    def submit(self, grammar: str) -> GrammarBuild:
+        """The (pending or finished) build of `grammar`; equal grammars share one build."""
+        build = self._builds.get(grammar)
+        if build is None or build.future.cancelled():
+            if len(self._builds) >= MAX_CACHED_GRAMMARS:
+                self._builds.pop(next(iter(self._builds)))
+            build = self._builds[grammar] = GrammarBuild()
+            build.future = self._executor.submit(self._build, grammar, build)
+        return build
+
+    def forget(self, grammar: str) -> None:
+        """Drops a build nobody waits for any more (cancelled if it has not started)."""
+        build = self._builds.pop(grammar, None)
+        if build is not None:
+            build.future.cancel()
+
+    def _build(self, grammar: str, build: GrammarBuild) -> Any:
+        from llguidance import LLMatcher
+
+        tokenizer = self.tokenizer()
+        build.started_at = time.monotonic()
+        matcher = LLMatcher(tokenizer, grammar)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        self.num_built += 1
+        return matcher
+
+    def tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                from llguidance.hf import from_tokenizer
+                from transformers import AutoTokenizer
+
+                hf_tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+                self._tokenizer = from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size,
+                                                 eos_token=self.eos_token_ids)
+                logger.info("loaded the tokenizer for constrained decoding")
+            return self._tokenizer
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+    """`logits` [rows, vocab] with the tokens each row's matcher forbids at -inf (in place);
+    a row whose matcher is None is left alone."""
+    from llguidance.torch import fill_next_token_bitmask
+
+    rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    words = (vocab + BITS - 1) // BITS
+    bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+    for index, row in enumerate(rows):
+        fill_next_token_bitmask(matchers[row], bitmask, index)
+    shifts = torch.arange(BITS, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab]
+    row_index = torch.tensor(rows, device=logits.device)
+    logits[row_index] = logits[row_index].masked_fill(~allowed.to(logits.device),
+                                                      float("-inf"))
+    return logits

@@ -1,0 +1,171 @@
+"""Constrained decoding in the engine (engine.grammar) on a tiny random Llama that speaks
+through SmolLM2's tokenizer: the grammar holds whatever else shares the batch, preemption
+included; a request waits for its grammar without a seat; aborts and bad grammars free
+everything and leave the engine serving."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from common.protocol import AddRequest, FinishReason
+from common.sampling import SamplingParams
+from frontend.structured_outputs import StructuredOutput, build_grammar
+from tests.engine_helpers import (
+    assert_no_leaks,
+    greedy_request,
+    make_core,
+    run_to_completion,
+)
+from tests.tiny_server import build_tiny_served_model
+
+PHONE = r"[0-9]{3}-[0-9]{4}"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "size", "ok"],
+    "additionalProperties": False,
+}
+CHOICES = ["alpha", "beta", "gamma delta"]
+
+
+def grammar(kind: str, spec) -> str:
+    return build_grammar(StructuredOutput(kind, kind, spec))
+
+
+GRAMMARS = {"regex": grammar("regex", PHONE), "json": grammar("json", SCHEMA),
+            "choice": grammar("choice", CHOICES)}
+
+
+def assert_conforms(kind: str, text: str) -> None:
+    if kind == "regex":
+        assert re.fullmatch(PHONE, text), text
+    elif kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    else:
+        assert text in CHOICES
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_tiny_served_model(tmp_path_factory.mktemp("structured"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: str):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [(seed * 7919 + 31 * i) % 40000 + 100 for i in range(length)]
+
+
+def constrained(kind: str, prompt: list[int], request_id: str, **sampling) -> AddRequest:
+    return greedy_request(prompt, max_tokens=60, request_id=request_id,
+                          grammar=GRAMMARS[kind], **sampling)
+
+
+def test_constrained_rows_hold_their_grammar_beside_others_with_preemption(
+        model_dir: str, tokenizer) -> None:
+    prompts = {f"{kind}-{i}": prompt_of(9 + 13 * i, i) for i, kind in enumerate(GRAMMARS)}
+    batch = [constrained(request_id.split("-")[0], prompt, request_id)
+             for request_id, prompt in prompts.items()]
+    batch += [greedy_request(prompt_of(40 + 5 * i, 10 + i), max_tokens=40,
+                             request_id=f"free-{i}") for i in range(5)]
+    # 12 blocks of 16 tokens for 8 requests of up to 100 tokens: preemption is certain.
+    core = make_core(model_dir, num_kv_blocks=12, max_num_batched_tokens=48)
+    reasons: dict[str, str] = {}
+    together = run_to_completion(core, batch, finish_reasons=reasons)
+    assert core.scheduler.num_preemptions >= 1
+    assert core.grammars.num_built == len(GRAMMARS)
+    for request_id, prompt in prompts.items():
+        kind = request_id.split("-")[0]
+        text = tokenizer.decode(together[request_id])
+        assert_conforms(kind, text)
+        assert reasons[request_id] == FinishReason.STOP
+        alone = run_to_completion(make_core(model_dir), [constrained(kind, prompt, "alone")])
+        assert together[request_id] == alone["alone"]
+    assert all(reasons[f"free-{i}"] == FinishReason.LENGTH for i in range(5))
+
+
+def test_sampled_constrained_choices_all_conform(model_dir: str, tokenizer) -> None:
+    """temperature 1, top_p, penalties and logit_bias on the grammar's rows, several seeds."""
+    core = make_core(model_dir)
+    requests = [
+        AddRequest(f"s-{kind}-{seed}", prompt_of(12, seed), SamplingParams(
+            max_tokens=80, temperature=1.0, top_p=0.95, seed=seed, presence_penalty=0.5,
+            logit_bias={15: 5.0}, grammar=GRAMMARS[kind]), 0.0)
+        for kind in GRAMMARS for seed in range(4)
+    ]
+    outputs = run_to_completion(core, requests)
+    for request in requests:
+        assert_conforms(request.request_id.split("-")[1], tokenizer.decode(
+            outputs[request.request_id]))
+
+
+def test_a_request_waits_for_its_grammar_without_a_seat_and_an_abort_frees_it(
+        model_dir: str) -> None:
+    core = make_core(model_dir, num_kv_blocks=16)
+    slow = grammar("grammar", slow_lark_grammar(20_000))
+    core.add_request(greedy_request(prompt_of(20, 1), 8, "waits", grammar=slow))
+    free = greedy_request(prompt_of(20, 2), 8, "free")
+    core.add_request(free)
+    assert core.num_awaiting_grammar == 1 and set(core.scheduler.requests) == {"free"}
+    assert core.idle_outputs().stats.num_waiting == 2  # both count as waiting
+    core.abort_requests(["waits"])
+    assert core.num_awaiting_grammar == 0
+    core.abort_requests(["free"])
+    assert len(run_to_completion(core, [free])["free"]) == 8
+    assert core.admit_constrained() == [] and not core.has_work
+    assert_no_leaks(core)
+
+
+def slow_lark_grammar(num_rules: int) -> str:
+    """A Lark grammar of `num_rules` alternatives, each its own rule and regex: ~0.6 s to
+    build per 20,000 rules here."""
+    rules = "\n".join(f'r{i}: "t{i}" /[a-z]{{1,{i % 30 + 2}}}/' for i in range(num_rules))
+    return "start: " + " | ".join(f"r{i}" for i in range(num_rules)) + "\n" + rules
+
+
+def test_a_grammar_slower_than_the_time_limit_fails_its_request_only(model_dir: str) -> None:
+    core = make_core(model_dir, grammar_compile_timeout=0.2)
+    core.add_request(greedy_request(prompt_of(10, 3), 8, "slow",
+                                    grammar=grammar("grammar", slow_lark_grammar(40_000))))
+    core.add_request(greedy_request(prompt_of(10, 4), 8, "free"))
+    errors, generated = [], 0
+    while core.has_work or core.num_awaiting_grammar:
+        errors += core.admit_constrained()
+        if core.has_work:
+            generated += sum(len(output.new_token_ids) for output in core.step().outputs)
+    assert generated == 8
+    assert [error.request_id for error in errors] == ["slow"]
+    assert "more than 0.2 s to compile" in errors[0].reason
+    assert_no_leaks(core)
+
+
+@pytest.mark.parametrize("bad", ["not a grammar", '{"grammars": [{"lark_grammar": "start: x"}]}'])
+def test_a_grammar_the_engine_cannot_build_fails_its_request_only(model_dir: str,
+                                                                   bad: str) -> None:
+    """What no frontend sends, but a frame may carry: the engine answers with an error."""
+    core = make_core(model_dir)
+    core.add_request(greedy_request(prompt_of(10, 5), 8, "bad", grammar=bad))
+    core.grammars.submit(bad).future.exception(timeout=60)
+    errors = core.admit_constrained()
+    assert [error.request_id for error in errors] == ["bad"]
+    assert "grammar" in errors[0].reason
+    outputs = run_to_completion(core, [constrained("regex", prompt_of(10, 6), "good")])
+    assert re.fullmatch(PHONE, AutoTokenizer.from_pretrained(model_dir).decode(outputs["good"]))
+
+
+def test_equal_grammars_are_built_once(model_dir: str) -> None:
+    core = make_core(model_dir)
+    run_to_completion(core, [constrained("json", prompt_of(8 + i, i), f"j{i}") for i in range(4)])
+    assert core.grammars.num_built == 1
