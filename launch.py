@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict
 
-from common.config import EngineConfig, add_engine_args
+from common.config import EngineConfig, add_chat_args, add_engine_args
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
 
@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "beyond which new ones get 503 with Retry-After")
     parser.add_argument("--max-body-bytes", type=positive_int, default=32 * 1024 * 1024,
                         help="largest request body accepted; larger ones get 413")
+    add_chat_args(parser)
     add_engine_args(parser)
     return parser.parse_args(argv)
 
@@ -140,6 +141,9 @@ class Launcher:
                    "--shutdown-timeout", str(self.args.shutdown_timeout),
                    "--max-waiting-requests", str(self.args.max_waiting_requests),
                    "--max-body-bytes", str(self.args.max_body_bytes),
+                   "--tool-call-parser", self.args.tool_call_parser,
+                   *(["--chat-template", self.args.chat_template]
+                     if self.args.chat_template else []),
                    "--engine-pid", str(self.children["engine"].pid)]
         # The key travels in the environment: a command line is visible to every local user.
         env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}

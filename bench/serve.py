@@ -73,6 +73,7 @@ class ServeConfig:
     warmup: bool = True
     progress: bool = True
     seed: int = 0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/").removesuffix("/v1")
@@ -137,7 +138,7 @@ def request_body(sample: SampleRequest, model: str, config: ServeConfig) -> dict
         body["messages"] = chat_messages(sample.prompt, sample.system)
     else:
         body["prompt"] = sample.prompt
-    return body
+    return body | config.extra_body
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
@@ -426,6 +427,9 @@ def add_request_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
                        help="force --output-len tokens (vLLM's ignore_eos extra field)")
     group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--extra-body", type=json.loads, default={}, metavar="JSON",
+                       help="fields merged into every request body, e.g. "
+                            """'{"response_format": {"type": "json_object"}}'""")
     group.add_argument("--no-usage", action="store_true",
                        help="do not ask for stream_options.include_usage")
     group.add_argument("--slo", type=Slo.parse, default=None, metavar="ttft=MS,tpot=MS",
@@ -449,7 +453,8 @@ def serve_config(args: argparse.Namespace, base_url: str, model: str | None,
         request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=max_concurrency, ignore_eos=args.ignore_eos,
         temperature=args.temperature, include_usage=not args.no_usage, slo=args.slo,
-        warmup=not args.no_warmup, progress=not args.no_progress, seed=args.seed)
+        warmup=not args.no_warmup, progress=not args.no_progress, seed=args.seed,
+        extra_body=args.extra_body)
 
 
 def default_tokenizer_dir(model: str | None) -> str:

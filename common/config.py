@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1024**3
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
@@ -132,3 +133,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--grammar-compile-timeout", type=float, default=5.0,
                         help="seconds a structured-output grammar may take to compile before "
                              "its request fails (default 5)")
+
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+def existing_file(path: str) -> str:
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {path}")
+    return path
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the frontend's chat endpoint (vLLM's names)."""
+    chat = parser.add_argument_group("chat")
+    chat.add_argument("--chat-template", type=existing_file, default=None,
+                      help="a Jinja chat template file to use instead of the model's own")
+    chat.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                      help="how tool calls are read out of replies (default: hermes, the "
+                           "layout the built-in tool prompt asks for)")

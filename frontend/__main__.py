@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import disable_created_metrics
 
+from common.config import add_chat_args
 from common.protocol import FrameError, Ready
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS
 from frontend.app import create_app
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         required=True,
         help="Hugging Face directory with the tokenizer and chat template",
     )
+    add_chat_args(parser)
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -109,15 +111,20 @@ def parse_engine_info(text: str | None) -> Ready | None:
         raise SystemExit(f"--engine-info: invalid engine info ({exc!r})") from exc
 
 
-def load_tokenizer(model_dir: str) -> Any:
+def load_tokenizer(model_dir: str, chat_template: str | None = None) -> Any:
+    """The tokenizer; `chat_template` (a file) replaces the model's own template."""
     # AutoTokenizer imports torch; a directory with tokenizer.json does not need it.
     if (Path(model_dir) / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    return tokenizer
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -129,7 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
     served_name = args.served_model_name or (engine_info.model_name if engine_info else None)
     if not served_name:
         raise SystemExit("--served-model-name is required without --engine-info")
-    tokenizer = await asyncio.to_thread(load_tokenizer, args.model_dir)
+    tokenizer = await asyncio.to_thread(load_tokenizer, args.model_dir, args.chat_template)
     settings = FrontendSettings(
         served_name,
         args.requests_addr,
@@ -139,6 +146,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_waiting_requests=args.max_waiting_requests,
         max_body_bytes=args.max_body_bytes,
         engine_pid=args.engine_pid,
+        tool_call_parser=args.tool_call_parser,
     )
     app = create_app(settings, tokenizer)
     runner = web.AppRunner(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -85,15 +86,18 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    state, parsed = await _read_request(request, parse_chat_request)
+    parser = request.app[STATE].settings.tool_call_parser
+    state, parsed = await _read_request(
+        request, functools.partial(parse_chat_request, tool_call_parser=parser))
     options = parsed.options
-    prompt_ids = await state.tokenizer.encode_chat(parsed.messages)
+    prompt_ids = await state.tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
     response_format = ChatFormat(
         f"chatcmpl-{uuid.uuid4().hex}",
         state.model_name,
         int(time.time()),
         options.include_usage,
         logprobs=None if options.logprobs is None else ChatLogprobs(state.tokenizer.token_texts),
+        tool_parser=parser if parsed.tools is not None and parsed.tools.parses_calls else None,
     )
     return await _generate(request, state, [prompt_ids], options, response_format, arrival)
 

@@ -6,11 +6,12 @@ one choice, named by its index.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.generation import Delta, Usage
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
+from frontend.tool_parsers import ParsedPiece, Parser, make_parser, parse_reply
 
 
 def stream_chunk(response: CompletionFormat | ChatFormat, object_name: str,
@@ -80,6 +81,8 @@ class ChatFormat:
     created: int
     include_usage: bool = False
     logprobs: ChatLogprobs | None = None
+    tool_parser: str | None = None  # set when the reply may hold tool calls to read out
+    _parsers: dict[int, Parser] = field(default_factory=dict)  # per choice, when streaming
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return stream_chunk(self, "chat.completion.chunk", choices)
@@ -87,10 +90,32 @@ class ChatFormat:
     def delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
         """A choice's role rides on its first chunk, with its first token: a client that
         times the first chunk (as `vllm bench serve` does) then measures the real TTFT."""
+        if self.tool_parser is not None:
+            return self._tool_delta_chunk(index, delta, first)
         if first:
             return self._chunk([self._choice(index, "delta", _assistant(delta.text), delta)])
         message = {"content": delta.text} if delta.text else {}
         return self._chunk([self._choice(index, "delta", message, delta)])
+
+    def _tool_delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
+        """Content as the parser releases it; each call whole, once its block is complete."""
+        assert self.tool_parser is not None
+        parser = self._parsers.setdefault(index, make_parser(self.tool_parser))
+        piece = parser.feed(delta.text)
+        finish_reason = delta.finish_reason
+        if finish_reason is not None:
+            rest = parser.finish()
+            piece = ParsedPiece(piece.content + rest.content, piece.calls + rest.calls)
+            if finish_reason == "stop" and parser.num_calls:
+                finish_reason = "tool_calls"
+        message: dict[str, Any] = _assistant(piece.content) if first else (
+            {"content": piece.content} if piece.content else {})
+        if piece.calls:
+            first_index = parser.num_calls - len(piece.calls)
+            message["tool_calls"] = [call.to_openai(first_index + offset)
+                                     for offset, call in enumerate(piece.calls)]
+        shown = Delta(delta.text, finish_reason, delta.logprobs)
+        return self._chunk([self._choice(index, "delta", message, shown)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._chunk([]) | {"usage": usage.to_dict()}
@@ -101,12 +126,22 @@ class ChatFormat:
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                self._choice(index, "message", _assistant(result.text), result)
-                for index, result in enumerate(results)
-            ],
+            "choices": [self._message_choice(index, result)
+                        for index, result in enumerate(results)],
             "usage": usage.to_dict(),
         }
+
+    def _message_choice(self, index: int, result: Delta) -> dict[str, Any]:
+        if self.tool_parser is None:
+            return self._choice(index, "message", _assistant(result.text), result)
+        piece = parse_reply(self.tool_parser, result.text)
+        if not piece.calls:
+            return self._choice(index, "message", _assistant(piece.content), result)
+        message = {"role": "assistant", "content": piece.content or None,
+                   "tool_calls": [call.to_openai() for call in piece.calls]}
+        finish_reason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+        return self._choice(index, "message", message,
+                            Delta(result.text, finish_reason, result.logprobs))
 
     def _choice(
         self, index: int, key: str, message: dict[str, Any], delta: Delta

@@ -8,6 +8,7 @@ ignored.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from frontend.body_reader import BodyReader, check_token_id
 from frontend.errors import APIError, invalid_param
 from frontend.prompt_input import Prompt, parse_prompts
 from frontend.structured_outputs import StructuredOutput, structured_output_of
+from frontend.tools import ToolRequest, forced_call, parse_tool_request
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -24,7 +26,7 @@ MAX_N = 128
 MAX_CHOICES = 1024  # prompts x n in one request
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclass(slots=True)
@@ -70,12 +72,15 @@ class CompletionRequest:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (validated)
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
 
 @dataclass(slots=True)
 class ChatRequest:
     messages: list[ChatMessage]
     options: GenerationOptions
+    tools: ToolRequest | None = None
 
 
 def parse_completion_request(body: dict[str, Any], vocab_size: int) -> CompletionRequest:
@@ -106,7 +111,8 @@ def parse_completion_request(body: dict[str, Any], vocab_size: int) -> Completio
     return CompletionRequest(prompts, options, echo)
 
 
-def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
+def parse_chat_request(body: dict[str, Any], vocab_size: int,
+                       tool_call_parser: str = "hermes") -> ChatRequest:
     reader = BodyReader(body)
     n = _parse_n(reader)
     wants_logprobs = reader.boolean("logprobs", False)
@@ -119,7 +125,13 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     else:
         max_tokens = reader.integer("max_tokens", None, minimum=1)
     options = _parse_options(reader, max_tokens, vocab_size, n, logprobs)
-    return ChatRequest(parse_messages(body.get("messages")), options)
+    tools = parse_tool_request(body)
+    if tools is not None and tools.forces_call:
+        if options.structured is not None:
+            raise invalid_param("tool_choice", f"tool_choice {body.get('tool_choice')!r} "
+                                               f"forces a call; drop '{options.structured.param}'.")
+        options.structured = forced_call(tools, tool_call_parser)
+    return ChatRequest(parse_messages(body.get("messages")), options, tools)
 
 
 def _parse_n(reader: BodyReader) -> int:
@@ -245,9 +257,37 @@ def _parse_message(index: int, raw: Any) -> ChatMessage:
     content = raw.get("content")
     if content is None and role == "assistant":
         content = ""
-    return ChatMessage(
+    message = ChatMessage(
         "system" if role == "developer" else role, _parse_content(f"{param}.content", content)
     )
+    if role == "tool":
+        message.tool_call_id = raw.get("tool_call_id")
+        if not isinstance(message.tool_call_id, str):
+            raise invalid_param(f"{param}.tool_call_id",
+                                f"'{param}.tool_call_id' is required for a tool message.")
+    if role == "assistant" and raw.get("tool_calls") is not None:
+        message.tool_calls = _parse_tool_calls(f"{param}.tool_calls", raw["tool_calls"])
+    return message
+
+
+def _parse_tool_calls(param: str, raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise invalid_param(param, f"'{param}' must be a list.")
+    for index, call in enumerate(raw):
+        where = f"{param}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid_param(where, f"'{where}' must be a function call with a name.")
+        if not isinstance(call.get("id"), str):
+            raise invalid_param(f"{where}.id", f"'{where}.id' must be a string.")
+        try:
+            arguments = json.loads(function.get("arguments"))
+        except (TypeError, ValueError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise invalid_param(f"{where}.function.arguments",
+                                f"'{where}.function.arguments' must be a JSON object string.")
+    return raw
 
 
 def _parse_content(param: str, content: Any) -> str:

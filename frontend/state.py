@@ -27,6 +27,7 @@ class FrontendSettings:
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_pid: int | None = None  # watched, so the engine's death is noticed at once
+    tool_call_parser: str = "hermes"  # how tool calls are read out of replies
 
 
 @dataclass(slots=True)

@@ -13,9 +13,11 @@ from typing import Any
 
 import jinja2
 
+from frontend.chat_render import Conversation, render_conversation
 from frontend.errors import invalid_param
 from frontend.schemas import ChatMessage
 from frontend.token_texts import TokenTexts
+from frontend.tools import ToolRequest
 
 
 class TokenizerService:
@@ -30,10 +32,12 @@ class TokenizerService:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(self._decode, token_ids)
 
-    async def encode_chat(self, messages: list[ChatMessage],
-                          add_generation_prompt: bool = True) -> list[int]:
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
-        return await self._run(self._render_and_encode, conversation, add_generation_prompt)
+    async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          tools: ToolRequest | None = None) -> list[int]:
+        conversation, template_tools = render_conversation(
+            messages, tools, getattr(self.tokenizer, "chat_template", None))
+        return await self._run(self._render_and_encode, conversation, add_generation_prompt,
+                               template_tools)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -47,11 +51,12 @@ class TokenizerService:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def _render_and_encode(self, conversation: list[dict[str, str]],
-                           add_generation_prompt: bool) -> list[int]:
+    def _render_and_encode(self, conversation: Conversation, add_generation_prompt: bool,
+                           tools: list[dict] | None = None) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt
             )
         except (jinja2.TemplateError, ValueError) as exc:
             raise invalid_param(

@@ -1,0 +1,70 @@
+"""Tool-call parsers (frontend.tool_parsers): whole replies, and the same replies streamed
+in every possible split, which must reassemble to the whole-reply result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frontend.tool_parsers import ParsedPiece, make_parser, parse_reply
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris; France", "unit": "celsius"}}'
+HERMES_REPLIES = {
+    "one call": (f"<tool_call>\n{CALL}\n</tool_call>", None, ["get_weather"]),
+    "text then calls": (f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>{CALL}"
+                        "</tool_call>\n", "Let me check.", ["get_weather", "get_weather"]),
+    "text around": (f"A <tool_call>{CALL}</tool_call> B", "A  B", ["get_weather"]),
+    "plain text": ("It is sunny in <b>Paris</b>.", "It is sunny in <b>Paris</b>.", []),
+    "bad json stays content": ("<tool_call>{oops}</tool_call>",
+                               "<tool_call>{oops}</tool_call>", []),
+    "unclosed block stays content": (f"<tool_call>\n{CALL[:30]}",
+                                     f"<tool_call>\n{CALL[:30]}", []),
+    "marker prefix at the end": ("Hello <tool_ca", "Hello <tool_ca", []),
+}
+
+
+def streamed(name: str, text: str, cuts: list[int]) -> ParsedPiece:
+    parser = make_parser(name)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    result = ParsedPiece()
+    for piece in [*(parser.feed(p) for p in pieces), parser.finish()]:
+        result.content += piece.content
+        result.calls += piece.calls
+    return result
+
+
+@pytest.mark.parametrize("case", HERMES_REPLIES)
+def test_hermes_whole_and_streamed_in_every_split(case: str) -> None:
+    text, content, names = HERMES_REPLIES[case]
+    whole = parse_reply("hermes", text)
+    assert [call.name for call in whole.calls] == names
+    assert (whole.content or None) == content
+    for call in whole.calls:
+        assert json.loads(call.arguments) == {"city": "Paris; France", "unit": "celsius"}
+    for cut in range(1, len(text)):
+        for second in (cut + 3, cut + 17):
+            cuts = [cut] if second >= len(text) else [cut, second]
+            split = streamed("hermes", text, cuts)
+            assert split.content == whole.content, (cuts, split.content)
+            assert [(c.name, c.arguments) for c in split.calls] == \
+                [(c.name, c.arguments) for c in whole.calls]
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize(("text", "names", "content"), [
+    (LLAMA_CALL, ["get_weather"], ""),
+    (f"<|python_tag|>{LLAMA_CALL}; {LLAMA_CALL}", ["get_weather", "get_weather"], ""),
+    ("The weather is fine.", [], "The weather is fine."),
+    ('{"not": "a call"}', [], '{"not": "a call"}'),
+])
+def test_llama3_json_whole_and_streamed(text: str, names: list[str], content: str) -> None:
+    whole = parse_reply("llama3_json", text)
+    assert [call.name for call in whole.calls] == names
+    assert whole.content == content
+    for cut in range(1, len(text)):
+        split = streamed("llama3_json", text, [cut])
+        assert split.content == whole.content
+        assert [c.arguments for c in split.calls] == [c.arguments for c in whole.calls]
