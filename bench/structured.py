@@ -6,7 +6,7 @@ Reports (1) the build time of each grammar against the model's tokenizer (what t
 grammar worker does once per distinct grammar) and the frontend's validation time; (2) the
 time to fill and apply the token masks of a step, per number of constrained rows; (3) the
 step time p50/p99 of `--batch` running unconstrained decodes, alone and while one request's
-slow grammar (a Lark grammar of 40,000 rules, >1 s to build) builds on the worker.
+slow grammar (a Lark grammar of 30,000 rules, >1 s to build) builds on the worker.
 The served throughput with every request constrained is bench.compare's job
 (`--extra-body`), see docs/benchmarks.md.
 """
@@ -47,7 +47,7 @@ LONG_ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "mi
                "required": ["answer"], "additionalProperties": False}
 
 
-def slow_grammar(num_rules: int = 40_000) -> str:
+def slow_grammar(num_rules: int = 30_000) -> str:
     rules = "\n".join(f'r{i}: "t{i}" /[a-z]{{1,{i % 30 + 2}}}/' for i in range(num_rules))
     return "start: " + " | ".join(f"r{i}" for i in range(num_rules)) + "\n" + rules
 
@@ -64,7 +64,7 @@ def grammars() -> dict[str, StructuredOutput]:
         "2000-char answer schema": StructuredOutput("bench", "json", LONG_ANSWER),
         "regex (phone)": StructuredOutput("bench", "regex", r"\(\d{3}\) \d{3}-\d{4}"),
         "tool call (required)": forced_call(tools, "hermes"),
-        "Lark, 40,000 rules": StructuredOutput("bench", "grammar", slow_grammar()),
+        "Lark, 30,000 rules": StructuredOutput("bench", "grammar", slow_grammar()),
     }
 
 
@@ -115,11 +115,11 @@ def interference(core: EngineCore, batch: int, steps: int) -> None:
     for index in range(batch):
         prompt = [(31 * index + 7 * j) % 40000 + 100 for j in range(100)]
         core.add_request(AddRequest(f"free-{index}", prompt, SamplingParams(
-            max_tokens=100_000, temperature=0.0, ignore_eos=True), 0.0))
+            max_tokens=4000, temperature=0.0, ignore_eos=True), 0.0))
     while any(r.is_prefilling for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()
     alone = step_times(core, steps)
-    slow = build_grammar(grammars()["Lark, 40,000 rules"])
+    slow = build_grammar(grammars()["Lark, 30,000 rules"])
     core.add_request(AddRequest("slow", [5, 6, 7], SamplingParams(max_tokens=4, grammar=slow),
                                 0.0))
     build = core.awaiting_grammar["slow"].build

@@ -93,6 +93,7 @@ class EngineCore:
         self.sampler = Sampler(self.device, config.seed)
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: dict[str, AwaitingGrammar] = {}
+        self.step_threads = torch.get_num_threads()
         if self.device.type == "cpu":
             load_cpp_decode()  # compile (or load the cached) decode kernel before READY
         self.totals = EngineTotals()
@@ -200,8 +201,16 @@ class EngineCore:
         return len(self.awaiting_grammar)
 
     # --- one step ------------------------------------------------------------------------
+    def _share_cores_with_grammar_builds(self) -> None:
+        threads = self.step_threads
+        if self.grammars.num_building and threads > 1 and self.device.type == "cpu":
+            threads -= 1
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
     def step(self) -> StepOutputs:
         started = time.perf_counter()
+        self._share_cores_with_grammar_builds()
         scheduled = self.scheduler.schedule()
         requests: list[Request] = []
         token_ids: list[int] = []

@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from common.protocol import AddRequest, FinishReason
@@ -138,7 +139,7 @@ def slow_lark_grammar(num_rules: int) -> str:
 def test_a_grammar_slower_than_the_time_limit_fails_its_request_only(model_dir: str) -> None:
     core = make_core(model_dir, grammar_compile_timeout=0.2)
     core.add_request(greedy_request(prompt_of(10, 3), 8, "slow",
-                                    grammar=grammar("grammar", slow_lark_grammar(40_000))))
+                                    grammar=grammar("grammar", slow_lark_grammar(30_000))))
     core.add_request(greedy_request(prompt_of(10, 4), 8, "free"))
     errors, generated = [], 0
     while core.has_work or core.num_awaiting_grammar:
@@ -169,3 +170,20 @@ def test_equal_grammars_are_built_once(model_dir: str) -> None:
     core = make_core(model_dir)
     run_to_completion(core, [constrained("json", prompt_of(8 + i, i), f"j{i}") for i in range(4)])
     assert core.grammars.num_built == 1
+
+
+def test_mask_leaves_only_the_grammars_tokens_and_unconstrained_rows_alone(
+        model_dir: str, tokenizer) -> None:
+    from engine.grammar import GrammarCompiler, mask_logits
+
+    compiler = GrammarCompiler(model_dir, 49152, frozenset({2}))
+    matcher = compiler.submit(grammar("choice", ["yes", "no"])).future.result(timeout=60)
+    logits = torch.randn(3, 49152)
+    masked = mask_logits(logits.clone(), [matcher, None, matcher.deep_copy()])
+    assert torch.equal(masked[1], logits[1])
+    for row in (0, 2):
+        allowed = torch.isfinite(masked[row]).nonzero().flatten().tolist()
+        texts = {tokenizer.decode([token]) for token in allowed}
+        assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+        assert torch.equal(masked[row][allowed], logits[row][allowed])
+    compiler.close()
