@@ -157,6 +157,7 @@ def test_malformed_structured_output_is_a_400_naming_the_field(
         error = raised.value.body
         assert error["param"] == param and error["type"] == "invalid_request_error", error
         assert error["message"]
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
 
 
 def test_a_grammar_over_the_compile_time_limit_is_a_400_and_others_go_on(
