@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from bench.structured import slow_grammar
 from common.protocol import AddRequest, FinishReason
 from common.sampling import SamplingParams
 from frontend.structured_outputs import StructuredOutput, build_grammar
@@ -115,7 +116,7 @@ def test_sampled_constrained_choices_all_conform(model_dir: str, tokenizer) -> N
 def test_a_request_waits_for_its_grammar_without_a_seat_and_an_abort_frees_it(
         model_dir: str) -> None:
     core = make_core(model_dir, num_kv_blocks=16)
-    slow = grammar("grammar", slow_lark_grammar(20_000))
+    slow = grammar("grammar", slow_grammar(20_000))
     core.add_request(greedy_request(prompt_of(20, 1), 8, "waits", grammar=slow))
     free = greedy_request(prompt_of(20, 2), 8, "free")
     core.add_request(free)
@@ -129,17 +130,10 @@ def test_a_request_waits_for_its_grammar_without_a_seat_and_an_abort_frees_it(
     assert_no_leaks(core)
 
 
-def slow_lark_grammar(num_rules: int) -> str:
-    """A Lark grammar of `num_rules` alternatives, each its own rule and regex: ~0.6 s to
-    build per 20,000 rules here."""
-    rules = "\n".join(f'r{i}: "t{i}" /[a-z]{{1,{i % 30 + 2}}}/' for i in range(num_rules))
-    return "start: " + " | ".join(f"r{i}" for i in range(num_rules)) + "\n" + rules
-
-
 def test_a_grammar_slower_than_the_time_limit_fails_its_request_only(model_dir: str) -> None:
     core = make_core(model_dir, grammar_compile_timeout=0.2)
     core.add_request(greedy_request(prompt_of(10, 3), 8, "slow",
-                                    grammar=grammar("grammar", slow_lark_grammar(30_000))))
+                                    grammar=grammar("grammar", slow_grammar(30_000))))
     core.add_request(greedy_request(prompt_of(10, 4), 8, "free"))
     errors, generated = [], 0
     while core.has_work or core.num_awaiting_grammar:

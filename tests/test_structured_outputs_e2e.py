@@ -15,8 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from bench.structured import slow_grammar
 from tests.launched_server import LaunchedServer
-from tests.test_structured_engine import slow_lark_grammar
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "Write an order for two apples as JSON."}]
@@ -165,7 +165,7 @@ def test_a_grammar_over_the_compile_time_limit_is_a_400_and_others_go_on(
     """The server runs with --grammar-compile-timeout 0.3; this grammar takes ~1 s."""
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={
-            "structured_outputs": {"grammar": slow_lark_grammar(30_000)}})
+            "structured_outputs": {"grammar": slow_grammar(30_000)}})
     assert "more than 0.3 s to compile" in raised.value.body["message"]
     after = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=5,
                                       extra_body={"structured_outputs": {"choice": ["a", "b"]}})
