@@ -293,3 +293,17 @@ def _expect(value: Any, expected: Any, name: str) -> None:
         raise FrameError(f"{name} must not be a bool")
     if not isinstance(value, expected):
         raise FrameError(f"{name} has type {type(value).__name__}")
+
+
+def refused_add_id(frame: bytes) -> str | None:
+    """The request id of an ADD frame that `decode` refused (a field out of bounds, say), so
+    the engine can answer with a RequestError instead of losing the request; None when the
+    frame is no readable ADD. The frame's size is already bounded by MAX_FRAME_BYTES."""
+    try:
+        unpacked = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception:  # garbage: nobody to answer
+        return None
+    if (isinstance(unpacked, list) and len(unpacked) > 2 and unpacked[1] == Kind.ADD
+            and isinstance(unpacked[2], str) and len(unpacked[2]) <= 1024):
+        return unpacked[2]
+    return None

@@ -16,6 +16,7 @@ from common.protocol import (
     Shutdown,
     decode,
     encode,
+    refused_add_id,
 )
 from common.sockets import make_socket
 from engine.core import EngineCore
@@ -91,6 +92,10 @@ class EngineServer:
             except FrameError as exc:
                 self.num_bad_frames += 1
                 logger.warning("dropped a bad frame (%d so far): %s", self.num_bad_frames, exc)
+                request_id = refused_add_id(frame)
+                if request_id is not None:  # its sender waits: tell it
+                    self.outputs.send(encode(RequestError(
+                        request_id, f"the engine could not read the request: {exc}")))
                 continue
             self._handle(message)
 

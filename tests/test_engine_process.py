@@ -101,6 +101,17 @@ def test_bad_frames_are_dropped_and_the_engine_keeps_serving(engine_process):
     assert log.count("dropped a") == 4
 
 
+def test_an_unreadable_request_gets_an_error_frame_not_silence(engine_process):
+    _, requests, outputs, _ = engine_process
+    frame = msgpack.unpackb(add("unreadable", [3, 4], max_tokens=2))
+    frame[4]["bogus"] = 1  # a sampling field no engine knows
+    requests.send(msgpack.packb(frame))
+    tokens, reason = collect(outputs, "unreadable")
+    assert tokens == [] and "unknown sampling fields" in reason
+    requests.send(add("fine", [3, 4], max_tokens=2))
+    assert collect(outputs, "fine")[1] == "length"
+
+
 def test_an_impossible_request_gets_an_error_frame(engine_process):
     _, requests, outputs, _ = engine_process
     requests.send(add("too-long", list(range(3, 103)), max_tokens=100))
