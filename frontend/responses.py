@@ -11,7 +11,7 @@ from typing import Any
 
 from frontend.generation import Delta, Usage
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
-from frontend.tool_parsers import ParsedPiece, Parser, make_parser, parse_reply
+from frontend.tool_parsers import Parser, make_parser, parse_reply
 
 
 def stream_chunk(response: CompletionFormat | ChatFormat, object_name: str,
@@ -98,22 +98,19 @@ class ChatFormat:
         return self._chunk([self._choice(index, "delta", message, delta)])
 
     def _tool_delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
-        """Content as the parser releases it; each call whole, once its block is complete."""
+        """Content and tool-call deltas as the parser releases them."""
         assert self.tool_parser is not None
         parser = self._parsers.setdefault(index, make_parser(self.tool_parser))
         piece = parser.feed(delta.text)
         finish_reason = delta.finish_reason
         if finish_reason is not None:
-            rest = parser.finish()
-            piece = ParsedPiece(piece.content + rest.content, piece.calls + rest.calls)
+            piece.extend(parser.finish())
             if finish_reason == "stop" and parser.num_calls:
                 finish_reason = "tool_calls"
         message: dict[str, Any] = _assistant(piece.content) if first else (
             {"content": piece.content} if piece.content else {})
-        if piece.calls:
-            first_index = parser.num_calls - len(piece.calls)
-            message["tool_calls"] = [call.to_openai(first_index + offset)
-                                     for offset, call in enumerate(piece.calls)]
+        if piece.deltas:
+            message["tool_calls"] = [call_delta.to_openai() for call_delta in piece.deltas]
         shown = Delta(delta.text, finish_reason, delta.logprobs)
         return self._chunk([self._choice(index, "delta", message, shown)])
 

@@ -6,14 +6,22 @@
   `;`), optionally after `<|python_tag|>`; any other reply is content.
 
 A parser sees one choice's text as it streams (`feed`, then `finish`) and returns the
-content to send and the calls completed so far; `parse` is the same over a whole reply, so a
-streamed reply reassembles to the non-streamed one. Content that is only whitespace around
-calls is dropped, in both. A block that does not parse as a call stays content.
+content to send, the calls completed so far, and the tool-call deltas to stream (OpenAI's
+shape: the first of a call carries its index, id and name, the rest argument fragments);
+`parse_reply` is the same over a whole reply, so a streamed reply reassembles to the
+non-streamed one. Content that is only whitespace around calls is dropped, in both. A block
+that does not parse as a call stays content. hermes streams a call's arguments as they come
+once its block opens with `{"name": ..., "arguments": ` (the layout the tool prompt and
+grammar ask for), holding back the braces that may close it; the arguments are then the
+raw text the model wrote. A block laid out otherwise is sent whole when it closes, its
+arguments re-serialized. (A streamed block that then fails to parse keeps the call already
+begun: the one way streamed and whole can differ.)
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,10 +52,58 @@ def call_from_json(text: str, arguments_key: str) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    """One streamed piece of a tool call: its first piece names it."""
+
+    index: int
+    arguments: str
+    call: ToolCall | None = None  # on the first piece: the id and name to send
+
+    def to_openai(self) -> dict[str, Any]:
+        if self.call is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.call.id, "type": "function",
+                "function": {"name": self.call.name, "arguments": self.arguments}}
+
+
 @dataclass(slots=True)
 class ParsedPiece:
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # completed, whole
+    deltas: list[CallDelta] = field(default_factory=list)  # what to stream
+
+    def extend(self, other: ParsedPiece) -> ParsedPiece:
+        self.content += other.content
+        self.calls += other.calls
+        self.deltas += other.deltas
+        return self
+
+
+HERMES_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass(slots=True)
+class StreamingCall:
+    call: ToolCall  # arguments empty: what was sent is `sent`
+    arguments_start: int  # in the block's text
+    sent: str = ""
+
+
+def raw_arguments(body: str) -> tuple[str, str] | None:
+    """(name, arguments as written) of a block laid out as `{"name": ..., "arguments": {...}}`
+    whose JSON holds exactly that; None otherwise."""
+    header = HERMES_HEADER.match(body)
+    call = call_from_json(body.strip(), "arguments")
+    if header is None or call is None or json.loads(header.group(1)) != call.name:
+        return None
+    tail = body[header.end():].rstrip()
+    arguments = tail[:-1].rstrip() if tail.endswith("}") else ""
+    try:
+        same = json.loads(arguments) == json.loads(call.arguments)
+    except ValueError:
+        return None
+    return (call.name, arguments) if same else None
 
 
 class HermesParser:
@@ -57,6 +113,7 @@ class HermesParser:
         self._buffer = ""
         self._inside = False
         self._blank = ""  # whitespace held until content follows it
+        self._streaming: StreamingCall | None = None
         self.num_calls = 0
 
     def feed(self, text: str) -> ParsedPiece:
@@ -76,15 +133,51 @@ class HermesParser:
             else:
                 end = self._buffer.find(self.CLOSE)
                 if end < 0:
+                    piece.deltas += self._stream_arguments()
                     return piece
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(self.CLOSE):]
                 self._inside = False
-                call = call_from_json(body.strip(), "arguments")
-                if call is None:
-                    piece.content += self._content(self.OPEN + body + self.CLOSE)
-                else:
-                    piece.calls.append(call)
-                    self.num_calls += 1
+                piece.extend(self._close(body))
+
+    def _stream_arguments(self) -> list[CallDelta]:
+        """The open block's arguments so far, but for trailing braces and blanks (they may
+        close the call) and a partial close marker."""
+        deltas = []
+        if self._streaming is None:
+            header = HERMES_HEADER.match(self._buffer)
+            if header is None:
+                return deltas
+            try:
+                name = json.loads(header.group(1))
+            except ValueError:
+                return deltas
+            self._streaming = StreamingCall(ToolCall(name, ""), header.end())
+            deltas.append(CallDelta(self.num_calls, "", self._streaming.call))
+        streaming = self._streaming
+        end = len(self._buffer) - _partial_suffix(self._buffer, self.CLOSE)
+        region = self._buffer[streaming.arguments_start:end].strip().rstrip(" \t\r\n}")
+        if len(region) > len(streaming.sent) and region.startswith(streaming.sent):
+            deltas.append(CallDelta(self.num_calls, region[len(streaming.sent):]))
+            streaming.sent = region
+        return deltas
+
+    def _close(self, body: str) -> ParsedPiece:
+        streaming, self._streaming = self._streaming, None
+        raw = raw_arguments(body)
+        if streaming is not None:  # begun: finish it with the rest of what the model wrote
+            arguments = raw[1] if raw is not None else streaming.sent
+            rest = arguments[len(streaming.sent):] if arguments.startswith(streaming.sent) else ""
+            call = ToolCall(streaming.call.name, streaming.sent + rest, streaming.call.id)
+            return self._completed(call, [CallDelta(self.num_calls, rest)] if rest else [])
+        call = (ToolCall(*raw) if raw is not None
+                else call_from_json(body.strip(), "arguments"))
+        if call is None:
+            return ParsedPiece(self._content(self.OPEN + body + self.CLOSE))
+        return self._completed(call, [CallDelta(self.num_calls, call.arguments, call)])
+
+    def _completed(self, call: ToolCall, deltas: list[CallDelta]) -> ParsedPiece:
+        self.num_calls += 1
+        return ParsedPiece("", [call], deltas)
 
     def finish(self) -> ParsedPiece:
         rest = (self.OPEN if self._inside else "") + self._buffer
@@ -128,8 +221,11 @@ class Llama3JsonParser:
         body = text.strip().removeprefix(self.PYTHON_TAG).strip()
         calls = [call_from_json(part, "parameters") for part in _split_calls(body)]
         if body and all(call is not None for call in calls):
-            self.num_calls += len(calls)
-            return ParsedPiece("", [call for call in calls if call is not None])
+            made = [call for call in calls if call is not None]
+            deltas = [CallDelta(self.num_calls + i, call.arguments, call)
+                      for i, call in enumerate(made)]
+            self.num_calls += len(made)
+            return ParsedPiece("", made, deltas)
         return ParsedPiece(text)
 
 
@@ -166,6 +262,4 @@ def make_parser(name: str) -> Parser:
 
 def parse_reply(name: str, text: str) -> ParsedPiece:
     parser = make_parser(name)
-    piece = parser.feed(text)
-    rest = parser.finish()
-    return ParsedPiece(piece.content + rest.content, piece.calls + rest.calls)
+    return parser.feed(text).extend(parser.finish())

@@ -21,7 +21,22 @@ HERMES_REPLIES = {
     "unclosed block stays content": (f"<tool_call>\n{CALL[:30]}",
                                      f"<tool_call>\n{CALL[:30]}", []),
     "marker prefix at the end": ("Hello <tool_ca", "Hello <tool_ca", []),
+    "other layout, sent whole": ('<tool_call>{"arguments": {"city": "Paris; France", '
+                                 '"unit": "celsius"}, "name": "get_weather"}</tool_call>',
+                                 None, ["get_weather"]),
 }
+
+
+def test_hermes_streams_argument_fragments_as_they_come() -> None:
+    parser = make_parser("hermes")
+    pieces = [parser.feed(text) for text in (
+        "<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Pa',
+        'ris", "unit": {"x": 1}', "}", "}\n</tool_", "call>")]
+    first, = pieces[2].deltas[:1]
+    assert first.call is not None and first.call.name == "get_weather"
+    fragments = [delta.arguments for piece in pieces for delta in piece.deltas]
+    assert fragments == ["", '{"city": "Pa', 'ris", "unit": {"x": 1', "}}"]
+    assert pieces[-1].calls[0].arguments == '{"city": "Paris", "unit": {"x": 1}}'
 
 
 def streamed(name: str, text: str, cuts: list[int]) -> ParsedPiece:
@@ -29,9 +44,20 @@ def streamed(name: str, text: str, cuts: list[int]) -> ParsedPiece:
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     result = ParsedPiece()
     for piece in [*(parser.feed(p) for p in pieces), parser.finish()]:
-        result.content += piece.content
-        result.calls += piece.calls
+        result.extend(piece)
     return result
+
+
+def reassembled(deltas) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) per call, from streamed deltas as a client joins them."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta.index, ["", "", ""])
+        if delta.call is not None:
+            assert call == ["", "", ""], "a call is named once, on its first delta"
+            call[0], call[1] = delta.call.id, delta.call.name
+        call[2] += delta.arguments
+    return [tuple(calls[index]) for index in sorted(calls)]
 
 
 @pytest.mark.parametrize("case", HERMES_REPLIES)
@@ -42,6 +68,7 @@ def test_hermes_whole_and_streamed_in_every_split(case: str) -> None:
     assert (whole.content or None) == content
     for call in whole.calls:
         assert json.loads(call.arguments) == {"city": "Paris; France", "unit": "celsius"}
+    assert reassembled(whole.deltas) == [(c.id, c.name, c.arguments) for c in whole.calls]
     for cut in range(1, len(text)):
         for second in (cut + 3, cut + 17):
             cuts = [cut] if second >= len(text) else [cut, second]
@@ -49,6 +76,8 @@ def test_hermes_whole_and_streamed_in_every_split(case: str) -> None:
             assert split.content == whole.content, (cuts, split.content)
             assert [(c.name, c.arguments) for c in split.calls] == \
                 [(c.name, c.arguments) for c in whole.calls]
+            assert reassembled(split.deltas) == [(c.id, c.name, c.arguments)
+                                                 for c in split.calls]
 
 
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
@@ -68,3 +97,4 @@ def test_llama3_json_whole_and_streamed(text: str, names: list[str], content: st
         split = streamed("llama3_json", text, [cut])
         assert split.content == whole.content
         assert [c.arguments for c in split.calls] == [c.arguments for c in whole.calls]
+        assert reassembled(split.deltas) == [(c.id, c.name, c.arguments) for c in split.calls]
