@@ -33,10 +33,9 @@ class ToolCall:
     arguments: str  # a JSON object, as OpenAI sends it
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {"id": self.id, "type": "function",
-                                "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def call_from_json(text: str, arguments_key: str) -> ToolCall | None:
@@ -90,12 +89,11 @@ class StreamingCall:
     sent: str = ""
 
 
-def raw_arguments(body: str) -> tuple[str, str] | None:
-    """(name, arguments as written) of a block laid out as `{"name": ..., "arguments": {...}}`
-    whose JSON holds exactly that; None otherwise."""
+def raw_arguments(body: str, call: ToolCall) -> str | None:
+    """The arguments as written, when the block (which parsed as `call`) is laid out as
+    `{"name": ..., "arguments": {...}}` and holds exactly that; None otherwise."""
     header = HERMES_HEADER.match(body)
-    call = call_from_json(body.strip(), "arguments")
-    if header is None or call is None or json.loads(header.group(1)) != call.name:
+    if header is None or json.loads(header.group(1)) != call.name:
         return None
     tail = body[header.end():].rstrip()
     arguments = tail[:-1].rstrip() if tail.endswith("}") else ""
@@ -103,7 +101,7 @@ def raw_arguments(body: str) -> tuple[str, str] | None:
         same = json.loads(arguments) == json.loads(call.arguments)
     except ValueError:
         return None
-    return (call.name, arguments) if same else None
+    return arguments if same else None
 
 
 class HermesParser:
@@ -163,16 +161,16 @@ class HermesParser:
 
     def _close(self, body: str) -> ParsedPiece:
         streaming, self._streaming = self._streaming, None
-        raw = raw_arguments(body)
+        parsed = call_from_json(body.strip(), "arguments")
+        raw = None if parsed is None else raw_arguments(body, parsed)
         if streaming is not None:  # begun: finish it with the rest of what the model wrote
-            arguments = raw[1] if raw is not None else streaming.sent
+            arguments = streaming.sent if raw is None else raw
             rest = arguments[len(streaming.sent):] if arguments.startswith(streaming.sent) else ""
             call = ToolCall(streaming.call.name, streaming.sent + rest, streaming.call.id)
             return self._completed(call, [CallDelta(self.num_calls, rest)] if rest else [])
-        call = (ToolCall(*raw) if raw is not None
-                else call_from_json(body.strip(), "arguments"))
-        if call is None:
+        if parsed is None:
             return ParsedPiece(self._content(self.OPEN + body + self.CLOSE))
+        call = parsed if raw is None else ToolCall(parsed.name, raw)
         return self._completed(call, [CallDelta(self.num_calls, call.arguments, call)])
 
     def _completed(self, call: ToolCall, deltas: list[CallDelta]) -> ParsedPiece:
@@ -198,23 +196,21 @@ class Llama3JsonParser:
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
-        self._text = ""
-        self._decided: bool | None = None  # True: a call, False: plain content
+        self._text = ""  # held until `finish`, while the reply may be a call
+        self._plain = False  # the reply began otherwise: content, passed straight on
         self.num_calls = 0
 
     def feed(self, text: str) -> ParsedPiece:
-        if self._decided is False:
+        if self._plain:
             return ParsedPiece(text)
         self._text += text
         head = self._text.lstrip()
-        if not head or self.PYTHON_TAG.startswith(head) or head.startswith(self.PYTHON_TAG):
+        if (not head or head.startswith("{") or self.PYTHON_TAG.startswith(head)
+                or head.startswith(self.PYTHON_TAG)):
             return ParsedPiece()
-        self._decided = head.startswith("{") or None
-        if self._decided is None:
-            self._decided = False
-            out, self._text = self._text, ""
-            return ParsedPiece(out)
-        return ParsedPiece()
+        self._plain = True
+        out, self._text = self._text, ""
+        return ParsedPiece(out)
 
     def finish(self) -> ParsedPiece:
         text, self._text = self._text, ""
