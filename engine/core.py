@@ -158,8 +158,8 @@ class EngineCore:
         errors = []
         now = time.monotonic()
         for request_id, waiting in list(self.awaiting_grammar.items()):
-            build = waiting.build.future
-            if not build.done():
+            future = waiting.build.future
+            if not future.done():
                 if waiting.build.running_for(now) > self.config.grammar_compile_timeout:
                     del self.awaiting_grammar[request_id]
                     errors.append(RequestError(request_id, (
@@ -168,7 +168,7 @@ class EngineCore:
                 continue
             del self.awaiting_grammar[request_id]
             try:
-                matcher = build.result()
+                matcher = future.result()
             except Exception as exc:  # whatever a build raises fails its request only
                 errors.append(RequestError(request_id, f"invalid structured-output grammar: {exc}"))
                 continue

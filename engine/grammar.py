@@ -3,9 +3,9 @@ one matcher per request, one token bitmask per constrained row of a step.
 
 - `GrammarCompiler` builds llguidance matchers on one worker thread (llguidance drops the
   GIL while it builds), so a slow grammar never stalls other requests' steps. Each distinct
-  grammar is built once; a request gets a copy of the built matcher. The tokenizer is read
-  from the model directory the first time a grammar arrives: a server that never sees one
-  never loads it.
+  grammar is built once; a request gets a copy of the built matcher. The tokenizer comes
+  from the model directory, loaded once on the worker (by `preload` right after READY, or
+  by the first build).
 - While a build runs on a CPU engine, steps use one torch thread fewer, leaving the worker
   a core: with every core busy in a step, a 1.7 s build made 32-decode steps 3.3x slower
   (p99 9x: OpenMP waits on whichever thread the build preempts); with the core left to it
@@ -13,8 +13,7 @@ one matcher per request, one token bitmask per constrained row of a step.
 - A request waiting for its grammar holds no seat and no KV block (EngineCore keeps it
   outside the scheduler) and fails with a clear error when its grammar errs or its build
   runs longer than the time limit (counted from the build's start: neither the queue behind
-  other builds nor loading the tokenizer counts). The engine process loads the tokenizer on
-  the worker right after READY (`preload`), while it idles.
+  other builds nor loading the tokenizer counts).
 - `mask_logits` sets every token the grammar forbids to -inf in the constrained rows;
   `Request.append_token` advances the matcher with each sampled token, and a matcher that
   accepts nothing more finishes the request (finish reason `stop`).
@@ -39,7 +38,7 @@ BITS = 32
 
 
 class GrammarError(ValueError):
-    """The grammar cannot constrain this request (invalid, or too slow to build)."""
+    """llguidance could not build the grammar against the tokenizer."""
 
 
 @dataclass(slots=True)
