@@ -142,12 +142,12 @@ class EngineCore:
         waits outside the scheduler (no seat, no KV block) until its grammar is built."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling,
                           message.arrival_time, message.priority)
+        if request.request_id in self.awaiting_grammar:
+            raise RequestRefused(f"request id {request.request_id!r} is already in use")
         grammar = request.sampling.grammar
         if grammar is None:
             self.scheduler.add(request)
             return
-        if request.request_id in self.awaiting_grammar:
-            raise RequestRefused(f"request id {request.request_id!r} is already in use")
         self.scheduler.check_new(request)
         self.awaiting_grammar[request.request_id] = AwaitingGrammar(
             request, self.grammars.submit(grammar))

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from bench.structured import slow_grammar
 from common.protocol import AddRequest, FinishReason
 from common.sampling import SamplingParams
+from engine.scheduler import RequestRefused
 from frontend.structured_outputs import StructuredOutput, build_grammar
 from tests.engine_helpers import (
     assert_no_leaks,
@@ -122,6 +123,8 @@ def test_a_request_waits_for_its_grammar_without_a_seat_and_an_abort_frees_it(
     core.add_request(free)
     assert core.num_awaiting_grammar == 1 and set(core.scheduler.requests) == {"free"}
     assert core.idle_outputs().stats.num_waiting == 2  # both count as waiting
+    with pytest.raises(RequestRefused, match="already in use"):  # constrained or not
+        core.add_request(greedy_request(prompt_of(5, 3), 8, "waits"))
     core.abort_requests(["waits"])
     assert core.num_awaiting_grammar == 0
     core.abort_requests(["free"])
