@@ -34,7 +34,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_decode_kernel import kernel_supports, load_cpp_decode, run_paged_decode
+from engine.cpu_decode_kernel import (
+    kernel_supports,
+    load_cpp_decode,
+    load_cpp_library,
+    run_paged_decode,
+    run_write_kv,
+)
+from engine.cpu_elementwise_kernel import rows_of_contiguous_heads
 from engine.forward_context import current_metadata
 from engine.linear import native_bf16_matmul
 
@@ -151,6 +158,7 @@ class HeadPlan:
     """The step plan expanded for one number of KV heads: row indices into the caches."""
 
     write_rows: torch.Tensor  # [T * num_kv_heads]: cache row of each new (token, head)
+    max_write_row: int  # the largest of them (-1 when none): one bounds check per step
     gather_rows: torch.Tensor  # [R]: (block, head) rows to gather, all segments in order
     decode_starts: list[int]  # gather-buffer row offset of each decode bucket
     prefill_starts: list[int]  # ... of each prefill chunk on a cached prefix
@@ -373,8 +381,10 @@ def expand_for_heads(
                       and not (kernel and plan.kernel_covers(chunk))]
     pieces = decode_pieces + prefill_pieces
     starts = [0, *itertools.accumulate(piece.numel() for piece in pieces)]
+    write_rows = cache_rows(slot_mapping, plan.block_size, num_kv_heads)
     return HeadPlan(
-        write_rows=cache_rows(slot_mapping, plan.block_size, num_kv_heads),
+        write_rows=write_rows,
+        max_write_row=int(write_rows.max()) if write_rows.numel() else -1,
         gather_rows=torch.cat(pieces) if pieces else heads[:0],
         decode_starts=starts[:len(decode_pieces)],
         prefill_starts=starts[len(decode_pieces):len(pieces)],
@@ -402,9 +412,16 @@ def write_kv(
 
 def write_kv_rows(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor, max_row: int | None = None,
 ) -> None:
-    """One indexed copy per cache."""
+    """One indexed copy per cache; eager on the CPU one C++ call for both, reading k and v in
+    place (on a fused qkv row they are strided slices that `reshape` would copy). `max_row`:
+    the largest of `rows`, if the caller knows it."""
+    if cpp_write_applies(k, v, k_cache, v_cache):
+        if max_row is None:
+            max_row = int(rows.max()) if rows.numel() else -1
+        run_write_kv(k, v, k_cache, v_cache, rows, max_row)
+        return
     head_dim = k_cache.shape[-1]
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
     v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
@@ -423,8 +440,11 @@ def paged_attention(
     plan = metadata.step_plan(block_size)
     use_kernel = plan.kernel_rows is not None and cpp_decode_applies(q, k_cache, v_cache)
     head_plan = metadata.head_plan(num_kv_heads, block_size, kernel=use_kernel)
-    write_kv_rows(k, v, k_cache, v_cache, head_plan.write_rows)
-    keys, values = gather_context(k_cache, v_cache, head_plan.gather_rows, metadata.workspace)
+    write_kv_rows(k, v, k_cache, v_cache, head_plan.write_rows, head_plan.max_write_row)
+    keys = values = None
+    if head_plan.gather_rows.numel():
+        keys, values = gather_context(k_cache, v_cache, head_plan.gather_rows,
+                                      metadata.workspace)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if use_kernel:
         assert plan.kernel_rows is not None
@@ -589,6 +609,19 @@ def prefill_on_cache(
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """[L, H, D] -> [1, H, L, D]: SDPA's fused CPU kernel only takes 4-D inputs."""
     return x.transpose(0, 1).unsqueeze(0)
+
+
+def cpp_write_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> bool:
+    return (
+        CPP_DECODE
+        and not torch.compiler.is_compiling()
+        and k.is_cpu and v.is_cpu and k_cache.is_cpu and v_cache.is_cpu
+        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and rows_of_contiguous_heads(k) and rows_of_contiguous_heads(v)
+        and load_cpp_library() is not None
+    )
 
 
 def cpp_decode_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """A small C++/OpenMP paged-decode kernel for the CPU: one query token per request attends
-over its blocks in place (no gather), with an fp32 softmax. Built once by `engine.cpp_build`
+over its blocks in place (no gather), with an fp32 softmax; and the step's KV write, one call
+copying each new token's heads into their cache rows. Built once by `engine.cpp_build`
 (about 2 s) and loaded through ctypes; when it cannot be built, attention falls back to its
 torch path.
 """
@@ -322,6 +323,19 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
 
 }  // namespace
 
+// Row rows[t * heads + h] of each cache (viewed as [rows, dim]) gets token t's head h of k
+// (and of v): one plain copy per row, the new tokens' heads back to back in their rows.
+extern "C" void loom_write_kv(const char* k, int64_t k_stride, const char* v, int64_t v_stride,
+                              char* k_cache, char* v_cache, const int64_t* rows, int64_t tokens,
+                              int64_t heads, int64_t row_bytes) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = rows[t * heads + h];
+      std::memcpy(k_cache + row * row_bytes, k + t * k_stride + h * row_bytes, row_bytes);
+      std::memcpy(v_cache + row * row_bytes, v + t * v_stride + h * row_bytes, row_bytes);
+    }
+}
+
 extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
                                  const void* k_cache, const void* v_cache, const int64_t* tables,
                                  int64_t table_stride, const int64_t* seq_lens,
@@ -348,7 +362,7 @@ CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
-        q.device.type == "cpu"
+        q.is_cpu
         and q.dtype in (torch.float32, torch.bfloat16)
         and q.dtype == k_cache.dtype == v_cache.dtype
         and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -379,10 +393,41 @@ def run_paged_decode(
         raise RuntimeError(f"paged decode kernel refused its arguments ({status})")
 
 
+def run_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, rows: torch.Tensor, max_row: int) -> None:
+    """`write_kv_rows` as one C++ call: k, v [T, H, D] with each token's heads back to back
+    (the slices of a fused qkv row qualify), rows [T * H] of the caches as [-1, D], the
+    largest `max_row` (the kernel copies without bounds checks)."""
+    library = load_cpp_library()
+    assert library is not None
+    if rows.numel() != k.shape[0] * k.shape[1] or rows.dtype != torch.int64 \
+            or not rows.is_contiguous():
+        raise ValueError(f"{rows.numel()} cache rows for {k.shape[0]}x{k.shape[1]} heads")
+    if max_row >= k_cache.numel() // k_cache.shape[-1]:
+        raise IndexError(f"KV cache row {max_row} is outside a cache of "
+                         f"{k_cache.numel() // k_cache.shape[-1]}")
+    library.loom_write_kv(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(),
+                          v.stride(0) * v.element_size(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          rows.data_ptr(), k.shape[0], k.shape[1],
+                          k.shape[2] * k.element_size())
+
+
+@functools.cache
+def load_cpp_library() -> ctypes.CDLL | None:
+    """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
+    library = load_library("paged_decode", CPP_SOURCE, "the torch path")
+    if library is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.loom_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    library.loom_write_kv.restype = None
+    return library
+
+
 @functools.cache
 def load_cpp_decode() -> ctypes._CFuncPtr | None:
-    """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
-    library = load_library("paged_decode", CPP_SOURCE, "the torch path")
+    """The paged-decode kernel, or None (logged) when the library cannot be built."""
+    library = load_cpp_library()
     if library is None:
         return None
     kernel = library.loom_paged_decode

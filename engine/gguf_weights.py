@@ -6,8 +6,10 @@ or Q4_K are then replaced by `Int4Linear`s holding the file's own codes
 (`keep_gguf_quantization`): a block of 32 weights with an fp16 scale d (and, Q4_1, minimum m)
 is exactly a group of 32 with scale d and zero at code 8 of 0 (Q4_0) or m + 8·d (Q4_1); a
 Q4_K super-block is eight such groups (`_q4_k_codes`). Scale and zero are held in the
-model's dtype (bf16 rounds them to 8 bits of mantissa). Other quantized types (Q8_0, Q6_K,
-...) stay float, named in one warning line.
+model's dtype (bf16 rounds them to 8 bits of mantissa). Q8_0 linears become `Q8_0Linear`s
+holding the codes and scales exactly. A tied output projection is made from the embedding's
+codes, the embedding itself staying float for the lookup. Other quantized types (Q6_K, ...)
+stay float, named in one warning line.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import torch
 from torch import nn
 
 from engine.gguf_file import GGUFTensor
-from engine.quantized_linear import Int4Linear
+from engine.quantized_linear import Int4Linear, Q8_0Linear, QuantizedLinear
 
 logger = logging.getLogger("loom.engine")
 
 Q4_BLOCK = 32
-KEPT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # all exactly groups of 32 with scale, zero
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # all exactly groups of 32 with scale, zero
+KEPT_TYPES = INT4_TYPES | {"Q8_0"}
+TIED_EMBEDDING = "token_embd.weight"
 # The fused modules of engine/models/llama.py and the GGUF tensors stacked into each.
 _LAYER_MODULES = {
     ("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
@@ -54,17 +58,23 @@ def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
 def kept_groups(tensors: list[GGUFTensor], config: dict[str, Any]
                 ) -> dict[str, list[GGUFTensor]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
-    codes it will hold: every linear whose tensors are all of KEPT_TYPES."""
+    codes it will hold: every linear whose tensors are all 4-bit (INT4_TYPES) or all Q8_0."""
     by_name = {tensor.name: tensor for tensor in tensors}
     candidates = {f"model.layers.{index}.{'.'.join(module)}":
                   [f"blk.{index}.{part}.weight" for part in parts]
                   for index in range(config["num_hidden_layers"])
                   for module, parts in _LAYER_MODULES.items()}
-    if not config["tie_word_embeddings"]:
-        candidates["lm_head"] = ["output.weight"]
+    candidates["lm_head"] = [TIED_EMBEDDING if config["tie_word_embeddings"] else "output.weight"]
     groups = {module: [by_name[name] for name in names] for module, names in candidates.items()}
     return {module: members for module, members in groups.items()
-            if all(member.tensor_type.name in KEPT_TYPES for member in members)}
+            if all(member.tensor_type.name in INT4_TYPES for member in members)
+            or all(member.tensor_type.name == "Q8_0" for member in members)}
+
+
+def codes_only(groups: dict[str, list[GGUFTensor]]) -> frozenset[str]:
+    """GGUF names held only as codes: no float copy to read (the tied embedding needs one)."""
+    return frozenset(member.name for members in groups.values() for member in members
+                     if member.name != TIED_EMBEDDING)
 
 
 def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -108,23 +118,36 @@ def _q4_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32), zero.astype(np.float32)
 
 
+def q8_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 [N, K], d float32 [N, K/32]) of a Q8_0 tensor (blocks: fp16 d, 32 int8 codes),
+    W = q·d."""
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 2 + Q4_BLOCK)
+    scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return q, scale
+
+
 def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
                            groups: dict[str, list[GGUFTensor]], config: dict[str, Any],
-                           dtype: torch.dtype) -> list[Int4Linear]:
-    """Replaces each linear of `groups` (see `kept_groups`) by an Int4Linear of the file's
-    codes; returns them. Logs the quantized types served as float instead."""
+                           dtype: torch.dtype) -> list[QuantizedLinear]:
+    """Replaces each linear of `groups` (see `kept_groups`) by a layer holding the file's
+    codes (a tied `lm_head`, None until now, included); returns them. Logs the quantized
+    types served as float instead."""
     from common.default_model import unpermute_if_rotary
 
-    made: list[Int4Linear] = []
+    made: list[QuantizedLinear] = []
     for module_name, members in groups.items():
+        is_q8 = members[0].tensor_type.name == "Q8_0"
         codes = [[unpermute_if_rotary(_hf_name(member.name), array, config)
-                  for array in q4_codes(member)] for member in members]
-        q, scale, zero = (torch.from_numpy(np.concatenate(arrays))
-                          for arrays in zip(*codes, strict=True))
+                  for array in (q8_0_codes(member) if is_q8 else q4_codes(member))]
+                 for member in members]
+        arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        made.append(Int4Linear.from_codes(q, scale, zero, getattr(parent, attribute).bias,
-                                          dtype))
+        bias = getattr(getattr(parent, attribute), "bias", None)
+        made.append(Q8_0Linear(*arrays, bias, dtype) if is_q8
+                    else Int4Linear.from_codes(*arrays, bias, dtype))
         setattr(parent, attribute, made[-1])
     kept = {member.name for members in groups.values() for member in members}
     _log_kept(tensors, kept, len(made))
@@ -142,10 +165,9 @@ def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int) -> Non
                            and (kind := tensor.tensor_type.name) not in _FLOAT_TYPES)
     if served_float:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(served_float.items()))
-        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1 and Q4_K "
-                       "linears alone keep their codes)", kinds)
-    logger.info("GGUF: %d linears keep the file's 4-bit codes (%d tensors)", num_layers,
-                len(kept))
+        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1, Q4_K and "
+                       "Q8_0 linears alone keep their codes)", kinds)
+    logger.info("GGUF: %d linears keep the file's codes (%d tensors)", num_layers, len(kept))
 
 
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})

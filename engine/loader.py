@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from common.gguf_model import gguf_source
 from engine.gguf_file import read_tensors
-from engine.gguf_weights import float_tensors, keep_gguf_quantization, kept_groups
+from engine.gguf_weights import codes_only, float_tensors, keep_gguf_quantization, kept_groups
 from engine.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.quantized_linear import DEFAULT_GROUP_SIZE, attach_dense_copies, quantize_linears
@@ -51,7 +51,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     if source is not None and (keep_codes or not any(directory.glob("*.safetensors"))):
         gguf_tensors = read_tensors(source)
         groups = kept_groups(gguf_tensors, hf_config) if keep_codes else {}
-        skip = frozenset(member.name for members in groups.values() for member in members)
+        skip = codes_only(groups)
         tensors = float_tensors(gguf_tensors, hf_config, skip)
     else:
         tensors = _read_safetensors(directory, device)

@@ -3,6 +3,8 @@
 - int8: weight-only, one symmetric scale per output channel (W ≈ q·s, q in -127..127).
 - int4: weight-only, groups of `group_size` input channels with a scale and a zero each
   (W ≈ (q - 8)·s + z, q in 0..15): the layout of a GGUF Q4_1 block.
+- q8_0: a GGUF Q8_0 tensor's own codes, blocks of 32 with one scale each (W = q·d), read
+  by a small C++ kernel in decode steps (engine.cpu_q8_kernel).
 - w8a8: int8 weights as above times int8 activations quantized per token on the fly
   (x ≈ a·t, one scale t per row), multiplied in int32 (`torch._int_mm`), scaled back to float.
 
@@ -31,6 +33,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.cpu_q8_kernel import MAX_ROWS as Q8_MAX_ROWS
+from engine.cpu_q8_kernel import Q8_BLOCK, run_q8_0_matmul
+from engine.cpu_q8_kernel import kernel_applies as q8_kernel_applies
 from engine.linear import PackedLinear, packing_applies
 from engine.linear_op import register_opaque_linear
 
@@ -206,6 +211,40 @@ class Int4Linear(QuantizedLinear):
         if self._kernel_args is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)
         return x @ self.dequantized_weight().to(x.dtype).T
+
+
+class Q8_0Linear(QuantizedLinear):
+    """A GGUF Q8_0 weight held as the file has it: int8 codes q [N, K] and one scale per block
+    of 32 input channels, W = q·d. Up to `max_kernel_rows` tokens run the C++ kernel on the
+    codes (engine.cpu_q8_kernel: half bf16's bytes, fp32 math); larger steps run the packed
+    copy, or multiply the dequantized weight where no kernel builds."""
+
+    method = "q8_0"
+    max_kernel_rows = Q8_MAX_ROWS
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(codes.shape, bias)
+        if self.in_features != scales.shape[1] * Q8_BLOCK or scales.shape[0] != codes.shape[0]:
+            raise ValueError(f"Q8_0: {tuple(scales.shape)} scales for codes "
+                             f"{tuple(codes.shape)} (blocks of {Q8_BLOCK})")
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("block_scales", scales.float().contiguous())
+        self._dtype = dtype
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """q·d in float32, exactly as the file defines the weight."""
+        blocks = self.codes.float().view(self.out_features, -1, Q8_BLOCK)
+        return (blocks * self.block_scales[..., None]).view(self.out_features, -1)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if q8_kernel_applies(x):
+            return run_q8_0_matmul(x, self.codes, self.block_scales)
+        return (x.float() @ self.dequantized_weight().to(x.device).T).to(x.dtype)
 
 
 class W8A8Linear(QuantizedLinear):

@@ -188,6 +188,7 @@ def test_falls_back_to_torch_when_the_kernel_does_not_compile(
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("LOOM_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(attention, "CPP_DECODE", True)
+    attention.load_cpp_library.cache_clear()
     attention.load_cpp_decode.cache_clear()
     try:
         assert attention.load_cpp_decode() is None
@@ -199,6 +200,7 @@ def test_falls_back_to_torch_when_the_kernel_does_not_compile(
                               metadata, 0.125)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     finally:
+        attention.load_cpp_library.cache_clear()
         attention.load_cpp_decode.cache_clear()
 
 
@@ -230,13 +232,19 @@ def test_build_fields() -> None:
     assert metadata.num_decodes == 2 and metadata.num_requests == 3
 
 
-def test_write_kv_puts_each_token_in_its_slot() -> None:
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_puts_each_token_in_its_slot(monkeypatch: pytest.MonkeyPatch, cpp: bool,
+                                              dtype: torch.dtype) -> None:
+    """Both ways: the C++ copy reads k and v as strided slices of a fused qkv row."""
+    monkeypatch.setattr(attention, "CPP_DECODE", cpp)
     block_size, num_kv_heads, head_dim = 4, 2, 8
-    k_cache = torch.zeros(6, num_kv_heads, block_size, head_dim)
+    k_cache = torch.zeros(6, num_kv_heads, block_size, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     slots = [21, 3, 8, 9, 14]
-    k = torch.randn(len(slots), num_kv_heads, head_dim)
-    v = torch.randn(len(slots), num_kv_heads, head_dim)
+    qkv = torch.randn(len(slots), 3 * num_kv_heads, head_dim, dtype=dtype)
+    k, v = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    assert attention.cpp_write_applies(k, v, k_cache, v_cache) == cpp
     write_kv(k, v, k_cache, v_cache, torch.tensor(slots))
     for token, slot in enumerate(slots):
         block, offset = divmod(slot, block_size)
@@ -247,3 +255,14 @@ def test_write_kv_puts_each_token_in_its_slot() -> None:
         for offset in range(block_size):
             if (block, offset) not in written:
                 assert not k_cache[block, :, offset].any() and not v_cache[block, :, offset].any()
+
+
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp", "torch"])
+def test_write_kv_refuses_a_slot_outside_the_cache(monkeypatch: pytest.MonkeyPatch,
+                                                   cpp: bool) -> None:
+    monkeypatch.setattr(attention, "CPP_DECODE", cpp)
+    k_cache = torch.zeros(2, 1, 4, 8)
+    k = torch.randn(1, 1, 8)
+    with pytest.raises((IndexError, RuntimeError)):
+        write_kv(k, k, k_cache, torch.zeros_like(k_cache), torch.tensor([8]))
+    assert not k_cache.any()

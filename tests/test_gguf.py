@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from bench.launched import REPO_ROOT, free_port
 from common.default_model import default_gguf_file, unpermute_rotary
@@ -29,7 +28,7 @@ from common.gguf_model import prepare_gguf
 from engine.gguf_file import GGUFTensor, read_tensors
 from engine.gguf_weights import keep_gguf_quantization, kept_groups, q4_codes
 from engine.loader import load_model
-from engine.quantized_linear import Int4Linear
+from engine.quantized_linear import Int4Linear, Q8_0Linear
 from tests.launched_server import LaunchedServer
 from tests.model_fixtures import TINY_LLAMA, build_tiny_hf_model
 from tests.test_model_parity import prefill_logits
@@ -41,7 +40,7 @@ GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                     "post_attention_layernorm": "ffn_norm"}
 GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
                      "lm_head": "output"}
-# One file, several kinds: Q4 linears kept, a Q8_0 one served as float.
+# One file, several kinds, every linear kept as its codes (Q4 as int4 groups, Q8_0 as is).
 TENSOR_TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0",
                 "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "Q4_0"}
 
@@ -61,7 +60,9 @@ def gguf_name(hf_name: str) -> str:
     return f"{GGUF_GLOBAL_NAMES[base]}.{suffix}"
 
 
-def write_tiny_gguf(path: Path, architecture: str = "llama") -> None:
+def write_tiny_gguf(path: Path, architecture: str = "llama",
+                    types: dict[str, str] = TENSOR_TYPES, tied: bool = False) -> None:
+    """`tied`: no output tensor, so the head is the embedding (SmolLM2's layout)."""
     import gguf
 
     hf_model = build_tiny_hf_model()
@@ -80,10 +81,12 @@ def write_tiny_gguf(path: Path, architecture: str = "llama") -> None:
     writer.add_vocab_size(config["vocab_size"])
     for hf_name, tensor in hf_model.state_dict().items():
         name = gguf_name(hf_name)
+        if tied and name == "output.weight":
+            continue
         weight = tensor.float().numpy()
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             weight = permute_rotary(weight, heads if "attn_q" in name else kv_heads)
-        kind = TENSOR_TYPES.get(name.split(".")[-2], "F32")
+        kind = types.get(name.split(".")[-2], "F32")
         if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(weight))
         else:
@@ -115,22 +118,49 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
     tensors = read_tensors(tiny_gguf)
     kept = keep_gguf_quantization(quantized, tensors, kept_groups(tensors, config), config,
                                   torch.float32)
-    assert len(kept) == 3 * TINY_LLAMA["num_hidden_layers"] + 1
+    assert len(kept) == 4 * TINY_LLAMA["num_hidden_layers"] + 1
     layer = quantized.model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    quantized.lm_head):
         assert isinstance(module, Int4Linear)
-    assert type(layer.mlp.down_proj) is nn.Linear  # Q8_0: served as float
+    assert isinstance(layer.mlp.down_proj, Q8_0Linear)
     # The codes decode exactly as gguf's own dequantization did for the float model.
     for index, layer in enumerate(quantized.model.layers):
         reference = float_model.model.layers[index]
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                     "mlp.down_proj"):
             ours = layer.get_submodule(name).dequantized_weight()
             theirs = reference.get_submodule(name).weight
             assert (ours - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
     prompt = [(5 * i + 7) % 250 + 3 for i in range(40)]
     difference = prefill_logits(quantized, prompt) - prefill_logits(float_model, prompt)
     assert difference.abs().max().item() < 1e-4
+
+
+def test_a_tied_q8_0_embedding_becomes_a_q8_0_head_and_stays_float_for_lookups(
+        tmp_path: Path) -> None:
+    """SmolLM2's GGUF: the head is the Q8_0 embedding. In bf16 the head reads its codes
+    through the C++ kernel for decode-sized steps, the lookup reads a float copy, and the
+    logits are float math on the dequantized weights (bf16-rounded activations aside)."""
+    path = tmp_path / "tiny-tied.gguf"
+    write_tiny_gguf(path, types={**TENSOR_TYPES, "token_embd": "Q8_0"}, tied=True)
+    model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
+    float_model = load_model(model_dir, torch.float32, torch.device("cpu"), quantization="none")
+    model = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
+    head = model.lm_head
+    assert isinstance(head, Q8_0Linear) and head.kernel_rows == 4
+    embedding = float_model.model.embed_tokens.weight
+    assert torch.equal(head.dequantized_weight(), embedding)  # q·d, exactly
+    assert torch.equal(model.model.embed_tokens.weight, embedding.bfloat16())
+    for length in (1, 3, 24):  # 1 and 3 rows: the kernel; 24: the dense copy
+        prompt = [(7 * i + 3) % 250 + 3 for i in range(length)]
+        ours = prefill_logits(model, prompt)
+        theirs = prefill_logits(float_model, prompt)
+        assert (ours - theirs).abs().max().item() < 0.05 * theirs.abs().max().item()
+        hidden = torch.randn(min(length, 4), embedding.shape[1]).bfloat16()
+        exact = hidden.float() @ embedding.T
+        assert (head(hidden).float() - exact).abs().max().item() <= (
+            2**-7 * exact.abs().max().item())
 
 
 def test_bf16_keeps_the_codes_by_default(tiny_gguf: Path, tmp_path: Path) -> None:
@@ -235,7 +265,7 @@ def test_launch_serves_the_default_models_own_gguf(tmp_path: Path) -> None:
     gguf_file = default_gguf_file()
     server = LaunchedServer(["--model", gguf_file, "--num-kv-blocks", "256"])
     with server.start(tmp_path):
-        assert "120 linears keep the file's 4-bit codes" in server.log
+        assert "121 linears keep the file's codes" in server.log  # and the Q8_0 head
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
         (model,) = client.models.list().data
         assert model.id == Path(gguf_file).stem

@@ -9,16 +9,19 @@ w8a8), and its logits agree with that reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from engine.cpu_q8_kernel import load_q8_kernel
 from engine.loader import load_model
 from engine.quantized_linear import (
     Int4Linear,
     Int8Linear,
+    Q8_0Linear,
     QuantizedLinear,
     W8A8Linear,
     attach_dense_copies,
@@ -71,6 +74,32 @@ def test_layer_equals_float_math_on_its_dequantized_weights(method: str,
     # The quantization itself stays close to the float weight it came from.
     error = (layer.dequantized_weight() - weight.float()).abs().max().item()
     assert error <= (0.2 if method == "int4" else 0.02) * weight.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q8_0_layer_equals_float_math_on_its_codes(dtype: torch.dtype) -> None:
+    """GGUF Q8_0 codes (blocks of 32, one scale each) through the C++ kernel (1-4 rows) and
+    past it (dequantized weight, or the packed copy once attached)."""
+    assert load_q8_kernel() is not None
+    generator = torch.Generator().manual_seed(2)
+    codes = torch.randint(-127, 128, (70, 96), generator=generator, dtype=torch.int8)
+    scales = torch.rand(70, 3, generator=generator) * 0.01
+    bias = torch.randn(70, generator=generator).to(dtype)
+    layer = Q8_0Linear(codes, scales, bias, dtype)
+    weight = (codes.float().view(70, 3, 32) * scales[..., None]).view(70, 96)
+    assert torch.equal(layer.dequantized_weight(), weight)
+    for attach in (False, True):
+        if attach:
+            attach_dense_copies([layer])
+        for rows in (1, 2, 3, 4, 5, 33):
+            x = torch.randn(rows, 96, generator=generator).to(dtype)
+            expected = x.float() @ weight.T + bias.float()
+            out = layer(x)
+            assert out.dtype == dtype and out.shape == (rows, 70)
+            scale = expected.abs().max().item()
+            assert (out.float() - expected).abs().max().item() <= LAYER_TOLERANCE[dtype] * scale
+    with pytest.raises(ValueError, match="Q8_0"):
+        Q8_0Linear(codes, scales[:, :2], None, dtype)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -228,13 +257,20 @@ def test_default_model_w8a8_layers_match_float_math_on_their_real_inputs(
     ours = load_model(smollm2_dir, torch.float32, torch.device("cpu"), quantization="w8a8")
     worst: list[float] = []
 
-    def check(layer: W8A8Linear, args: tuple[torch.Tensor], out: torch.Tensor) -> None:
-        expected = reference_product(layer, args[0])
-        worst.append((out - expected).abs().max().item() / expected.abs().max().item())
+    def checked(layer: W8A8Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        forward = layer.forward
 
+        def check(x: torch.Tensor) -> torch.Tensor:
+            out = forward(x)
+            expected = reference_product(layer, x)
+            worst.append((out - expected).abs().max().item() / expected.abs().max().item())
+            return out
+        return check
+
+    # The model calls its layers' `forward` (no hooks: see DecoderLayer), so wrap that.
     for module in ours.modules():
         if isinstance(module, W8A8Linear):
-            module.register_forward_hook(check)
+            module.forward = checked(module)
     prefill_logits(ours, DEFAULT_MODEL_PROMPT)
     assert len(worst) == 4 * 30 + 1
     assert max(worst) < 1e-5
