@@ -37,6 +37,7 @@ from engine import (
     attention,
     cpu_decode_kernel,
     cpu_elementwise_kernel,
+    cpu_q8_kernel,
     fused_ops,
     logits_processors,
     quantized_linear,
@@ -72,11 +73,14 @@ SCOPES: list[tuple[str, str, range]] = [
         ("rope", cpu_elementwise_kernel.run_rotary),
         ("activation", fused_ops.silu_and_mul),
         ("activation", cpu_elementwise_kernel.run_silu_and_mul),
+        ("KV write", attention.write_kv_rows),
+        ("KV write", cpu_decode_kernel.run_write_kv),
     )
 ] + [(op_class, Path(module.__file__).name, range(1, 10**6)) for op_class, module in (
     ("attention", attention),
     ("attention", cpu_decode_kernel),
     ("GEMM", quantized_linear),  # activation quantization and scaling belong to the product
+    ("GEMM", cpu_q8_kernel),
     ("sampler", sampler),
     ("sampler", logits_processors),
 )]
