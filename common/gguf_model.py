@@ -5,7 +5,8 @@ directory under $LOOM_CACHE/gguf/ with what the frontend and the engine read bes
 weights: config.json and generation_config.json from the file's metadata, the tokenizer and
 chat template it carries, and `gguf_source.json` naming the file. The engine reads the
 weights from the GGUF itself (engine/gguf_weights.py), Q4_0, Q4_1 and Q4_K tensors kept as
-4-bit codes, Q8_0 ones as 8-bit codes. The directory is named after the file, so the served model name is the file's stem.
+4-bit codes, Q8_0 ones as 8-bit codes. The directory is named after the file, so the served
+model name is the file's stem.
 
 Importable without torch: launch.py resolves models with it.
 """

@@ -24,6 +24,8 @@ hold finite values everywhere: allocate them with `torch.zeros`.
 from __future__ import annotations
 
 import array
+import functools
+import importlib.util
 import itertools
 import logging
 import os
@@ -44,6 +46,9 @@ from engine.cpu_decode_kernel import (
 from engine.cpu_elementwise_kernel import rows_of_contiguous_heads
 from engine.forward_context import current_metadata
 from engine.linear import native_bf16_matmul
+from engine.triton_attention import QueryRows
+from engine.triton_attention import paged_attention as triton_attention
+from engine.triton_attention import write_kv as triton_write_kv
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,9 @@ CPP_DECODE = os.environ.get("LOOM_CPP_DECODE", "1") != "0"
 # over its own causal prefix: no masked rectangle on cached tokens, and on 2 cores several
 # times faster than one SDPA call per short prompt. Longer fresh chunks keep SDPA's kernel.
 KERNEL_PREFILL_MAX_TOKENS = 512
+# On CUDA with triton installed, one Triton launch per layer writes the KV and one attends
+# (engine.triton_attention); LOOM_TRITON_ATTENTION=0 keeps the torch path there.
+TRITON_ATTENTION = os.environ.get("LOOM_TRITON_ATTENTION", "1") != "0"
 
 
 class Workspace:
@@ -173,6 +181,7 @@ class AttentionMetadata:
     plan: StepPlan | None = None  # made by `build`, else by the first layer
     workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
     head_plans: dict[tuple[int, bool], HeadPlan] = field(default_factory=dict)
+    triton_rows: QueryRows | None = None  # the Triton kernels' per-row view, made once a step
 
     @property
     def num_requests(self) -> int:
@@ -437,6 +446,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    if triton_applies(q, k_cache):
+        return triton_paged_attention(q, k, v, k_cache, v_cache, metadata, scale)
     plan = metadata.step_plan(block_size)
     use_kernel = plan.kernel_rows is not None and cpp_decode_applies(q, k_cache, v_cache)
     head_plan = metadata.head_plan(num_kv_heads, block_size, kernel=use_kernel)
@@ -609,6 +620,31 @@ def prefill_on_cache(
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """[L, H, D] -> [1, H, L, D]: SDPA's fused CPU kernel only takes 4-D inputs."""
     return x.transpose(0, 1).unsqueeze(0)
+
+
+def triton_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """CUDA with triton installed, power-of-two head dim and block size (`tl.arange`)."""
+    head_dim, block_size = q.shape[-1], k_cache.shape[2]
+    return (TRITON_ATTENTION and q.is_cuda and triton_installed()
+            and not head_dim & (head_dim - 1) and not block_size & (block_size - 1))
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """The step's KV write and its attention, one Triton launch each (engine.triton_attention)."""
+    if metadata.triton_rows is None:
+        metadata.triton_rows = QueryRows.build(metadata.query_start_loc, metadata.seq_lens,
+                                               q.device)
+    triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    return triton_attention(q, k_cache, v_cache, metadata.block_tables, metadata.triton_rows,
+                            scale)
 
 
 def cpp_write_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

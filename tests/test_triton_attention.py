@@ -1,0 +1,91 @@
+"""The Triton kernels (engine.triton_attention) through Triton's interpreter on the CPU,
+against the torch reference: the KV write through the slot mapping, and paged attention over
+decodes, prefills (fresh and on cached tokens) and mixed steps, at block boundaries, for GQA
+ratios 1, 3 and 4 and head dims 64 and 128.
+
+Triton is an optional dependency (`.[gpu]`, and in `.[dev]` for these tests): a CPU-only
+install without it skips this module, CI installs it. Triton must see TRITON_INTERPRET=1
+when it is imported and when a kernel is decorated: the variable is set before the import
+and the kernels are made afresh under it; afterwards both are undone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
+
+from engine import triton_attention  # noqa: E402
+from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreted_kernels() -> Iterator[None]:
+    os.environ["TRITON_INTERPRET"] = "1"
+    triton_attention.kernels.cache_clear()
+    yield
+    triton_attention.kernels.cache_clear()
+    if PREVIOUS_INTERPRET is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = PREVIOUS_INTERPRET
+
+
+BOUNDARY = ((1, 15), (1, 16), (1, 17), (1, 32), (1, 33))
+TRITON_CASES = [
+    Case("decode", ((1, 1), (1, 5), (1, 40), *BOUNDARY)),
+    Case("prefill_fresh", ((12, 12), (16, 16))),
+    Case("prefill_on_cache", ((5, 21), (16, 48))),
+    Case("mixed", ((1, 16), (1, 33), (7, 7), (6, 20))),
+    Case("mixed_block4", ((1, 3), (1, 8), (5, 13), (4, 4)), block_size=4),
+    Case("gqa1_mha", ((1, 17), (6, 22)), num_heads=4, num_kv_heads=4),
+    Case("gqa3", ((1, 17), (6, 22)), num_heads=6, num_kv_heads=2),
+    Case("gqa4_dim128", ((1, 17), (1, 3), (6, 22)), num_heads=8, num_kv_heads=2, head_dim=128),
+    Case("gqa3_dim128", ((1, 33), (5, 5)), num_heads=6, num_kv_heads=2, head_dim=128),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda case: case.name)
+def test_triton_kernels_match_the_reference(case: Case) -> None:
+    inputs = make_inputs(case, torch.float32)
+    metadata = build(inputs, case.block_size)
+    scale = case.head_dim**-0.5
+    want, want_k_cache, want_v_cache = expected(inputs, metadata, scale)
+
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    triton_attention.write_kv(inputs.k, inputs.v, k_cache, v_cache, metadata.slot_mapping)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+    rows = triton_attention.QueryRows.build(metadata.query_start_loc, metadata.seq_lens,
+                                            torch.device("cpu"))
+    got = triton_attention.paged_attention(inputs.q, k_cache, v_cache, metadata.block_tables,
+                                           rows, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_kv_write_reads_k_and_v_as_slices_of_a_fused_row() -> None:
+    case = Case("fused", ((1, 9), (3, 3)))
+    inputs = make_inputs(case, torch.float32)
+    metadata = build(inputs, case.block_size)
+    qkv = torch.cat([inputs.q, inputs.k, inputs.v], dim=1)  # [T, 9 + 3 + 3, D]
+    k, v = qkv[:, case.num_heads:case.num_heads + 3], qkv[:, case.num_heads + 3:]
+    _, want_k_cache, want_v_cache = expected(inputs, metadata, 0.125)
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    triton_attention.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+
+
+def test_paged_attention_refuses_heads_that_do_not_group() -> None:
+    case = Case("odd", ((1, 4),), num_heads=5, num_kv_heads=2)
+    inputs = make_inputs(case, torch.float32)
+    metadata = build(inputs, case.block_size)
+    rows = triton_attention.QueryRows.build(metadata.query_start_loc, metadata.seq_lens,
+                                            torch.device("cpu"))
+    with pytest.raises(ValueError, match="5 query heads for 2 KV heads"):
+        triton_attention.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache,
+                                         metadata.block_tables, rows, 0.125)
