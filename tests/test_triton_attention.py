@@ -7,6 +7,9 @@ Triton is an optional dependency (`.[gpu]`, and in `.[dev]` for these tests): a 
 install without it skips this module, CI installs it. Triton must see TRITON_INTERPRET=1
 when it is imported and when a kernel is decorated: the variable is set before the import
 and the kernels are made afresh under it; afterwards both are undone.
+
+With LOOM_TRITON_NATIVE=1 (bench/gpu_check.sh on a GPU) the same tests compile the kernels
+for CUDA and run them on the GPU instead.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+NATIVE = os.environ.get("LOOM_TRITON_NATIVE") == "1"
+DEVICE = torch.device("cuda" if NATIVE else "cpu")
 PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
 from engine import triton_attention  # noqa: E402
@@ -27,7 +32,7 @@ from tests.test_attention import Case, build, expected, make_inputs  # noqa: E40
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreted_kernels() -> Iterator[None]:
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
     triton_attention.kernels.cache_clear()
     yield
     triton_attention.kernels.cache_clear()
@@ -58,26 +63,27 @@ def test_triton_kernels_match_the_reference(case: Case) -> None:
     scale = case.head_dim**-0.5
     want, want_k_cache, want_v_cache = expected(inputs, metadata, scale)
 
-    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
-    triton_attention.write_kv(inputs.k, inputs.v, k_cache, v_cache, metadata.slot_mapping)
-    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+    k_cache, v_cache = inputs.k_cache.to(DEVICE), inputs.v_cache.to(DEVICE)
+    triton_attention.write_kv(inputs.k.to(DEVICE), inputs.v.to(DEVICE), k_cache, v_cache,
+                              metadata.slot_mapping.to(DEVICE))
+    assert torch.equal(k_cache.cpu(), want_k_cache) and torch.equal(v_cache.cpu(), want_v_cache)
     rows = triton_attention.QueryRows.build(metadata.query_start_loc, metadata.seq_lens,
-                                            torch.device("cpu"))
-    got = triton_attention.paged_attention(inputs.q, k_cache, v_cache, metadata.block_tables,
-                                           rows, scale)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                                            DEVICE)
+    got = triton_attention.paged_attention(inputs.q.to(DEVICE), k_cache, v_cache,
+                                           metadata.block_tables.to(DEVICE), rows, scale)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_the_kv_write_reads_k_and_v_as_slices_of_a_fused_row() -> None:
     case = Case("fused", ((1, 9), (3, 3)))
     inputs = make_inputs(case, torch.float32)
     metadata = build(inputs, case.block_size)
-    qkv = torch.cat([inputs.q, inputs.k, inputs.v], dim=1)  # [T, 9 + 3 + 3, D]
+    qkv = torch.cat([inputs.q, inputs.k, inputs.v], dim=1).to(DEVICE)  # [T, 9 + 3 + 3, D]
     k, v = qkv[:, case.num_heads:case.num_heads + 3], qkv[:, case.num_heads + 3:]
     _, want_k_cache, want_v_cache = expected(inputs, metadata, 0.125)
-    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
-    triton_attention.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+    k_cache, v_cache = inputs.k_cache.to(DEVICE), inputs.v_cache.to(DEVICE)
+    triton_attention.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping.to(DEVICE))
+    assert torch.equal(k_cache.cpu(), want_k_cache) and torch.equal(v_cache.cpu(), want_v_cache)
 
 
 def test_paged_attention_refuses_heads_that_do_not_group() -> None:
