@@ -1,8 +1,8 @@
 """The transformers baseline: W1's prompts through `model.generate` in static batches,
 in-process, greedy, every answer forced to the full output length.
 
-    python -m bench.hf_generate [--model DIR] [--dtype auto] [--batch 1,32,64]
-        [--num-prompts 64] [--output-len 128]
+    python -m bench.hf_generate [--model DIR] [--dtype auto] [--device auto]
+        [--batch 1,32,64] [--num-prompts 64] [--output-len 128]
 
 Each batch size runs the same prompts (chat template applied, left-padded) in consecutive
 batches of that size; output tok/s = generated tokens / wall time of all batches. What
@@ -18,6 +18,7 @@ import torch
 
 from bench.datasets import BenchTokenizer, DatasetSpec, build_dataset, chat_messages
 from common.default_model import resolve_model
+from engine.core import choose_device
 from engine.loader import choose_dtype
 
 
@@ -25,7 +26,8 @@ def run_batches(model, tokenizer, prompts: list[str], batch: int, output_len: in
     """Output tokens per second over all prompts in batches of `batch`."""
     generated, started = 0, time.perf_counter()
     for first in range(0, len(prompts), batch):
-        inputs = tokenizer(prompts[first:first + batch], return_tensors="pt", padding=True)
+        inputs = tokenizer(prompts[first:first + batch], return_tensors="pt",
+                           padding=True).to(model.device)
         with torch.inference_mode():
             output = model.generate(**inputs, max_new_tokens=output_len,
                                     min_new_tokens=output_len, do_sample=False)
@@ -38,6 +40,7 @@ def main() -> None:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--dtype", default="auto", help="auto: what launch.py would pick")
+    parser.add_argument("--device", default="auto", help="auto: cuda when there is one")
     parser.add_argument("--batch", default="1,32,64")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=100)
@@ -47,11 +50,13 @@ def main() -> None:
     import transformers
 
     model_dir = resolve_model(args.model)
-    dtype = choose_dtype(args.dtype, torch.device("cpu"))
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(
+        device).eval()
     samples = build_dataset(DatasetSpec(name="prompts", num_prompts=args.num_prompts,
                                         input_len=args.input_len, output_len=args.output_len,
                                         chat=True), BenchTokenizer.load(model_dir))
@@ -59,7 +64,7 @@ def main() -> None:
                                              tokenize=False,
                                              add_generation_prompt=True) for sample in samples]
     run_batches(model, tokenizer, prompts[:1], 1, 4)  # warm-up
-    print(f"transformers {transformers.__version__} generate, {dtype}, "
+    print(f"transformers {transformers.__version__} generate on {device}, {dtype}, "
           f"{torch.get_num_threads()} threads, {len(prompts)} prompts, "
           f"{args.output_len} tokens forced\n")
     print("| batch | output tok/s |\n|--:|--:|")
