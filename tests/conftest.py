@@ -1,7 +1,17 @@
 """Fixtures shared by the frontend test modules: the offline test tokenizer and a running
-frontend app served against the scripted fake engine."""
+frontend app served against the scripted fake engine.
+
+Also, before any test module can import triton (torch may, too): Triton's interpreter for
+tests/test_triton_attention.py. Triton fixes which of its own library functions are
+interpreted when it is first imported, so this must come first; LOOM_TRITON_NATIVE=1 (the
+GPU check) compiles the kernels for CUDA instead."""
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET",
+                      "0" if os.environ.get("LOOM_TRITON_NATIVE") == "1" else "1")
 
 from collections.abc import AsyncIterator
 from typing import Any

@@ -4,9 +4,8 @@ decodes, prefills (fresh and on cached tokens) and mixed steps, at block boundar
 ratios 1, 3 and 4 and head dims 64 and 128.
 
 Triton is an optional dependency (`.[gpu]`, and in `.[dev]` for these tests): a CPU-only
-install without it skips this module, CI installs it. Triton must see TRITON_INTERPRET=1
-when it is imported and when a kernel is decorated: the variable is set before the import
-and the kernels are made afresh under it; afterwards both are undone.
+install without it skips this module, CI installs it. tests/conftest.py sets
+TRITON_INTERPRET=1 before anything can import triton (which reads it at import).
 
 With LOOM_TRITON_NATIVE=1 (bench/gpu_check.sh on a GPU) the same tests compile the kernels
 for CUDA and run them on the GPU instead.
@@ -15,31 +14,21 @@ for CUDA and run them on the GPU instead.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 NATIVE = os.environ.get("LOOM_TRITON_NATIVE") == "1"
 DEVICE = torch.device("cuda" if NATIVE else "cpu")
-PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
 from engine import triton_attention  # noqa: E402
 from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def interpreted_kernels() -> Iterator[None]:
-    os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
-    triton_attention.kernels.cache_clear()
-    yield
-    triton_attention.kernels.cache_clear()
-    if PREVIOUS_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = PREVIOUS_INTERPRET
+def test_the_kernels_run_where_this_module_says() -> None:
+    """Interpreted on the CPU unless LOOM_TRITON_NATIVE=1 (conftest.py sets the variable)."""
+    assert os.environ["TRITON_INTERPRET"] == ("0" if NATIVE else "1")
 
 
 BOUNDARY = ((1, 15), (1, 16), (1, 17), (1, 32), (1, 33))
