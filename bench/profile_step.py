@@ -38,6 +38,7 @@ from engine import (
     cpu_decode_kernel,
     cpu_elementwise_kernel,
     cpu_q8_kernel,
+    cpu_w8a8_kernel,
     fused_ops,
     logits_processors,
     quantized_linear,
@@ -81,6 +82,7 @@ SCOPES: list[tuple[str, str, range]] = [
     ("attention", cpu_decode_kernel),
     ("GEMM", quantized_linear),  # activation quantization and scaling belong to the product
     ("GEMM", cpu_q8_kernel),
+    ("GEMM", cpu_w8a8_kernel),
     ("sampler", sampler),
     ("sampler", logits_processors),
 )]

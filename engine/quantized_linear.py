@@ -6,7 +6,9 @@
 - q8_0: a GGUF Q8_0 tensor's own codes, blocks of 32 with one scale each (W = q·d), read
   by a small C++ kernel in decode steps (engine.cpu_q8_kernel).
 - w8a8: int8 weights as above times int8 activations quantized per token on the fly
-  (x ≈ a·t, one scale t per row), multiplied in int32 (`torch._int_mm`), scaled back to float.
+  (x ≈ a·t, one scale t per row), multiplied in int32 (`torch._int_mm`), scaled back to float;
+  on the CPU the quantizing and the scaling back are one C++ pass each
+  (engine.cpu_w8a8_kernel), bit-identical to the torch ops.
 
 Each layer answers to float math on its own dequantized weights (`dequantized_weight`; w8a8
 also on its fake-quantized activations, `fake_quantized_input`).
@@ -36,6 +38,9 @@ from torch import nn
 from engine.cpu_q8_kernel import MAX_ROWS as Q8_MAX_ROWS
 from engine.cpu_q8_kernel import Q8_BLOCK, run_q8_0_matmul
 from engine.cpu_q8_kernel import kernel_applies as q8_kernel_applies
+from engine.cpu_w8a8_kernel import kernels_apply as w8a8_kernels_apply
+from engine.cpu_w8a8_kernel import quantize_rows as w8a8_quantize_rows
+from engine.cpu_w8a8_kernel import rescale as w8a8_rescale
 from engine.linear import PackedLinear, packing_applies
 from engine.linear_op import register_opaque_linear
 
@@ -274,6 +279,9 @@ class W8A8Linear(QuantizedLinear):
         return (a.float() * scale).reshape(x.shape)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if w8a8_kernels_apply(x):  # the same numbers as below, one C++ pass each side
+            a, row_scale = w8a8_quantize_rows(x)
+            return w8a8_rescale(torch._int_mm(a, self.qweight_t), row_scale, self.scale, x.dtype)
         a, row_scale = self.quantize_input(x)
         if x.device.type == "cpu":
             acc = torch._int_mm(a, self.qweight_t).float()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine import cpu_w8a8_kernel as w8a8_kernels
 from engine.cpu_q8_kernel import load_q8_kernel
 from engine.loader import load_model
 from engine.quantized_linear import (
@@ -74,6 +75,27 @@ def test_layer_equals_float_math_on_its_dequantized_weights(method: str,
     # The quantization itself stays close to the float weight it came from.
     error = (layer.dequantized_weight() - weight.float()).abs().max().item()
     assert error <= (0.2 if method == "int4" else 0.02) * weight.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_w8a8_cpp_passes_equal_the_torch_ops_bit_for_bit(dtype: torch.dtype) -> None:
+    """The C++ activation quantization and rescale (engine.cpu_w8a8_kernel) are what the
+    layer runs on the CPU; the reference math is the torch ops'."""
+    assert w8a8_kernels.load_w8a8_kernels() is not None
+    generator = torch.Generator().manual_seed(3)
+    layer = W8A8Linear(torch.randn(70, 96, generator=generator), None)
+    for rows in (1, 5, 64):
+        x = (torch.randn(rows, 96, generator=generator)
+             * torch.rand(rows, 1, generator=generator) * 30).to(dtype)
+        x[0] = 0  # an all-zero row: the smallest normal scale, every code 0
+        codes, scales = w8a8_kernels.quantize_rows(x)
+        expected_codes, expected_scales = W8A8Linear.quantize_input(x)
+        assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+        acc = torch._int_mm(codes, layer.qweight_t)
+        out = w8a8_kernels.rescale(acc, scales, layer.scale, dtype)
+        assert torch.equal(out, (acc.float() * expected_scales * layer.scale).to(dtype))
+    with pytest.raises(ValueError, match="w8a8 rescale"):
+        w8a8_kernels.rescale(acc.float(), scales, layer.scale, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
