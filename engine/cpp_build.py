@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,14 +65,24 @@ inline float fast_exp(float x) {
 """
 
 
-def load_library(name: str, source: str, fallback: str) -> ctypes.CDLL | None:
-    """Build (once, cached on disk) and load; None, with one warning naming `fallback`, when
-    the library cannot be built here."""
+# ctypes argument types of the kernels' C signatures, by their C names.
+I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def load_library(name: str, source: str, fallback: str,
+                 signatures: dict[str, tuple[list[Any], Any]]) -> ctypes.CDLL | None:
+    """Build (once, cached on disk) and load, each function of `signatures` given its
+    (argument types, return type); None, with one warning naming `fallback`, when the
+    library cannot be built here."""
     try:
-        return ctypes.CDLL(str(compiled_library(name, source)))
+        library = ctypes.CDLL(str(compiled_library(name, source)))
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("C++ %s kernels unavailable, using %s: %s", name, fallback, error)
         return None
+    for function, (argtypes, restype) in signatures.items():
+        getattr(library, function).argtypes = argtypes
+        getattr(library, function).restype = restype
+    return library
 
 
 def compiled_library(name: str, source: str) -> Path:

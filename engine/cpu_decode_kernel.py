@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, load_library
+from engine.cpp_build import CPP_NUMERICS, FLOAT, I64, INT, PTR, load_library
 
 if TYPE_CHECKING:
     from engine.attention import DecodeBatch
@@ -415,24 +415,15 @@ def run_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 @functools.cache
 def load_cpp_library() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
-    library = load_library("paged_decode", CPP_SOURCE, "the torch path")
-    if library is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.loom_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-    library.loom_write_kv.restype = None
-    return library
+    return load_library("paged_decode", CPP_SOURCE, "the torch path", {
+        "loom_write_kv": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, I64], None),
+        "loom_paged_decode": ([INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64,
+                               I64, FLOAT, PTR, INT], ctypes.c_int),
+    })
 
 
 @functools.cache
 def load_cpp_decode() -> ctypes._CFuncPtr | None:
     """The paged-decode kernel, or None (logged) when the library cannot be built."""
     library = load_cpp_library()
-    if library is None:
-        return None
-    kernel = library.loom_paged_decode
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,
-                       i64, ctypes.c_float, ptr, ctypes.c_int]
-    kernel.restype = ctypes.c_int
-    return kernel
+    return None if library is None else library.loom_paged_decode

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, load_library
+from engine.cpp_build import CPP_NUMERICS, FLOAT, I64, INT, PTR, load_library
 
 CPP_SOURCE = CPP_NUMERICS + r"""
 namespace {
@@ -121,19 +121,11 @@ extern "C" void loom_silu_and_mul(int is_bf16, const void* gate_up, void* out, i
 @functools.cache
 def load_elementwise() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
-    library = load_library("elementwise", CPP_SOURCE, "torch ops")
-    if library is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.loom_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64,
-                                          ctypes.c_float, ctypes.c_int]
-    library.loom_add_rms_norm.restype = None
-    library.loom_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, ctypes.c_int]
-    library.loom_silu_and_mul.restype = None
-    library.loom_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr,
-                                    ctypes.c_int]
-    library.loom_rotary.restype = None
-    return library
+    return load_library("elementwise", CPP_SOURCE, "torch ops", {
+        "loom_add_rms_norm": ([INT, PTR, PTR, PTR, PTR, I64, I64, FLOAT, INT], None),
+        "loom_silu_and_mul": ([INT, PTR, PTR, I64, I64, INT], None),
+        "loom_rotary": ([INT, PTR, I64, I64, I64, I64, PTR, PTR, INT], None),
+    })
 
 
 def kernel_supports(*tensors: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, load_library
+from engine.cpp_build import CPP_NUMERICS, I64, INT, PTR, load_library
 
 Q8_BLOCK = 32
 MAX_ROWS = 4  # rows of x per call: the kernel keeps one accumulator per row in registers
@@ -139,11 +139,6 @@ def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 @functools.cache
 def load_q8_kernel() -> ctypes._CFuncPtr | None:
     """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
-    library = load_library("q8_0_matmul", CPP_SOURCE, "the dequantized weight")
-    if library is None:
-        return None
-    kernel = library.loom_q8_0_matmul
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int]
-    kernel.restype = ctypes.c_int
-    return kernel
+    library = load_library("q8_0_matmul", CPP_SOURCE, "the dequantized weight", {
+        "loom_q8_0_matmul": ([INT, PTR, I64, PTR, PTR, PTR, I64, I64, INT], ctypes.c_int)})
+    return None if library is None else library.loom_q8_0_matmul

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, load_library
+from engine.cpp_build import CPP_NUMERICS, I64, INT, PTR, load_library
 
 CPP_SOURCE = CPP_NUMERICS + r"""
 #include <algorithm>
@@ -117,12 +117,7 @@ def rescale(acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tenso
 @functools.cache
 def load_w8a8_kernels() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
-    library = load_library("w8a8", CPP_SOURCE, "torch ops")
-    if library is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.loom_quantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ctypes.c_int]
-    library.loom_quantize_rows.restype = None
-    library.loom_rescale.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    library.loom_rescale.restype = None
-    return library
+    return load_library("w8a8", CPP_SOURCE, "torch ops", {
+        "loom_quantize_rows": ([INT, PTR, I64, I64, PTR, PTR, INT], None),
+        "loom_rescale": ([INT, PTR, I64, I64, PTR, PTR, PTR, INT], None),
+    })
