@@ -178,7 +178,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B]: context length of request i after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int64 on device, padded with 0
     slot_mapping: torch.Tensor  # [T] int64 on device: block_id * block_size + offset per new token
-    plan: StepPlan | None = None  # made by `build`, else by the first layer
+    plan: StepPlan | None = None  # made by the first layer that needs it (`step_plan`)
     workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
     head_plans: dict[tuple[int, bool], HeadPlan] = field(default_factory=dict)
     triton_rows: QueryRows | None = None  # the Triton kernels' per-row view, made once a step
@@ -207,7 +207,8 @@ class AttentionMetadata:
         device: torch.device | str,
         workspace: Workspace | None = None,
     ) -> AttentionMetadata:
-        """One step's metadata, with the plan every layer reuses computed up front."""
+        """One step's metadata. The plan every layer reuses is made by the first layer that
+        needs it (the Triton path needs none: planning would only cost it device syncs)."""
         for table, seq_len in zip(block_tables, seq_lens, strict=True):
             if len(table) * block_size < seq_len:
                 raise ValueError(f"a block table of {len(table)} blocks for {seq_len} tokens")
@@ -223,7 +224,6 @@ class AttentionMetadata:
             slot_mapping=int_tensor(slot_mapping, device),
             workspace=workspace or DEFAULT_WORKSPACE,
         )
-        metadata.plan = plan_step(metadata, block_size)
         return metadata
 
     def step_plan(self, block_size: int) -> StepPlan:
