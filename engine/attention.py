@@ -289,6 +289,16 @@ def plan_decodes(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
 def plan_rows(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
     """Every query row of the requests `ids`, each as a decode over its causal prefix."""
     device = metadata.block_tables.device
+    rows, seq_lens, owners = causal_rows(metadata, ids)
+    block_tables = metadata.block_tables.index_select(0, int_tensor(owners, device))
+    return DecodeBatch(rows, seq_lens, int_tensor(rows, device), int_tensor(seq_lens, device),
+                       block_tables, int(block_tables.max()))
+
+
+def causal_rows(metadata: AttentionMetadata, ids: Iterable[int],
+                ) -> tuple[list[int], list[int], list[int]]:
+    """Every query row of the requests `ids` as a decode over its causal prefix: (its row
+    of q, how many tokens it sees, its request)."""
     rows: list[int] = []
     seq_lens: list[int] = []
     owners: list[int] = []
@@ -298,9 +308,7 @@ def plan_rows(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
         rows.extend(range(start, end))
         seq_lens.extend(range(first_len, first_len + end - start))
         owners.extend(itertools.repeat(i, end - start))
-    block_tables = metadata.block_tables.index_select(0, int_tensor(owners, device))
-    return DecodeBatch(rows, seq_lens, int_tensor(rows, device), int_tensor(seq_lens, device),
-                       block_tables, int(block_tables.max()))
+    return rows, seq_lens, owners
 
 
 def plan_prefill(metadata: AttentionMetadata, i: int, block_size: int) -> PrefillChunk:
@@ -640,11 +648,17 @@ def triton_paged_attention(
 ) -> torch.Tensor:
     """The step's KV write and its attention, one Triton launch each (engine.triton_attention)."""
     if metadata.triton_rows is None:
-        metadata.triton_rows = QueryRows.build(metadata.query_start_loc, metadata.seq_lens,
-                                               q.device)
+        metadata.triton_rows = query_rows(metadata, q.device)
     triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
     return triton_attention(q, k_cache, v_cache, metadata.block_tables, metadata.triton_rows,
                             scale)
+
+
+def query_rows(metadata: AttentionMetadata, device: torch.device) -> QueryRows:
+    """Every query row of the step as the Triton kernel reads it (see `causal_rows`)."""
+    _, seq_lens, owners = causal_rows(metadata, range(metadata.num_requests))
+    return QueryRows(torch.tensor(owners, dtype=torch.int32, device=device),
+                     torch.tensor(seq_lens, dtype=torch.int32, device=device))
 
 
 def cpp_write_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

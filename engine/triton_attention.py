@@ -29,22 +29,11 @@ import torch
 @dataclass(slots=True)
 class QueryRows:
     """Per query row of a step: the request's row of the block tables and how many tokens
-    it sees (its position + 1). Built once per step, shared by every layer."""
+    it sees (its position + 1). Built once per step (`engine.attention.query_rows`), shared
+    by every layer."""
 
     request: torch.Tensor  # [T] int32
     context_len: torch.Tensor  # [T] int32
-
-    @classmethod
-    def build(cls, query_start_loc: list[int], seq_lens: list[int],
-              device: torch.device) -> QueryRows:
-        requests: list[int] = []
-        lengths: list[int] = []
-        for i, seq_len in enumerate(seq_lens):
-            query_len = query_start_loc[i + 1] - query_start_loc[i]
-            requests += [i] * query_len
-            lengths += range(seq_len - query_len + 1, seq_len + 1)
-        as_tensor = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-        return cls(as_tensor(requests), as_tensor(lengths))
 
 
 @functools.cache

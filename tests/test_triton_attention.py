@@ -23,6 +23,7 @@ DEVICE = torch.device("cuda" if NATIVE else "cpu")
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
 from engine import triton_attention  # noqa: E402
+from engine.attention import query_rows  # noqa: E402
 from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
 
 
@@ -56,8 +57,7 @@ def test_triton_kernels_match_the_reference(case: Case) -> None:
     triton_attention.write_kv(inputs.k.to(DEVICE), inputs.v.to(DEVICE), k_cache, v_cache,
                               metadata.slot_mapping.to(DEVICE))
     assert torch.equal(k_cache.cpu(), want_k_cache) and torch.equal(v_cache.cpu(), want_v_cache)
-    rows = triton_attention.QueryRows.build(metadata.query_start_loc, metadata.seq_lens,
-                                            DEVICE)
+    rows = query_rows(metadata, DEVICE)
     got = triton_attention.paged_attention(inputs.q.to(DEVICE), k_cache, v_cache,
                                            metadata.block_tables.to(DEVICE), rows, scale)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
@@ -79,8 +79,7 @@ def test_paged_attention_refuses_heads_that_do_not_group() -> None:
     case = Case("odd", ((1, 4),), num_heads=5, num_kv_heads=2)
     inputs = make_inputs(case, torch.float32)
     metadata = build(inputs, case.block_size)
-    rows = triton_attention.QueryRows.build(metadata.query_start_loc, metadata.seq_lens,
-                                            torch.device("cpu"))
+    rows = query_rows(metadata, torch.device("cpu"))
     with pytest.raises(ValueError, match="5 query heads for 2 KV heads"):
         triton_attention.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache,
                                          metadata.block_tables, rows, 0.125)
