@@ -128,18 +128,6 @@ def load_elementwise() -> ctypes.CDLL | None:
     })
 
 
-def kernel_supports(*tensors: torch.Tensor) -> bool:
-    """Contiguous CPU tensors of one dtype the kernels take (a loop: a generator and
-    `device.type` made this check 2 µs, ~0.3 ms of a batch-1 decode step)."""
-    dtype = tensors[0].dtype
-    if dtype is not torch.float32 and dtype is not torch.bfloat16:
-        return False
-    for t in tensors:  # noqa: SIM110
-        if not (t.is_cpu and t.dtype is dtype and t.is_contiguous()):
-            return False
-    return True
-
-
 def rows_of_contiguous_heads(x: torch.Tensor) -> bool:
     """x [tokens, heads, dim] whose heads are back to back inside each token's row."""
     return x.stride(2) == 1 and x.stride(1) == x.shape[2]

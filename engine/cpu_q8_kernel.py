@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, I64, INT, PTR, load_library
+from engine.cpp_build import CPP_NUMERICS, I64, INT, PTR, kernel_supports, load_library
 
 Q8_BLOCK = 32
 MAX_ROWS = 4  # rows of x per call: the kernel keeps one accumulator per row in registers
@@ -115,9 +115,7 @@ extern "C" int loom_q8_0_matmul(int is_bf16, const void* x, int64_t rows, const 
 
 
 def kernel_applies(x: torch.Tensor) -> bool:
-    return (x.is_cpu and (x.dtype is torch.bfloat16 or x.dtype is torch.float32)
-            and 1 <= x.shape[0] <= MAX_ROWS and x.is_contiguous()
-            and load_q8_kernel() is not None)
+    return kernel_supports(x) and 1 <= x.shape[0] <= MAX_ROWS and load_q8_kernel() is not None
 
 
 def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

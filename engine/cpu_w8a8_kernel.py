@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from engine.cpp_build import CPP_NUMERICS, I64, INT, PTR, load_library
+from engine.cpp_build import CPP_NUMERICS, I64, INT, PTR, kernel_supports, load_library
 
 CPP_SOURCE = CPP_NUMERICS + r"""
 #include <algorithm>
@@ -80,8 +80,7 @@ extern "C" void loom_rescale(int is_bf16, const int32_t* acc, int64_t rows, int6
 
 
 def kernels_apply(x: torch.Tensor) -> bool:
-    return (x.is_cpu and (x.dtype is torch.bfloat16 or x.dtype is torch.float32)
-            and x.dim() == 2 and x.is_contiguous() and load_w8a8_kernels() is not None)
+    return x.dim() == 2 and kernel_supports(x) and load_w8a8_kernels() is not None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

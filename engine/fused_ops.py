@@ -13,8 +13,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine.cpp_build import kernel_supports
 from engine.cpu_elementwise_kernel import (
-    kernel_supports,
     load_elementwise,
     rows_of_contiguous_heads,
     run_add_rms_norm,

@@ -28,7 +28,7 @@ from engine.quantized_linear import Int4Linear, Q8_0Linear, QuantizedLinear
 
 logger = logging.getLogger("loom.engine")
 
-Q4_BLOCK = 32
+GGUF_BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # all exactly groups of 32 with scale, zero
 KEPT_TYPES = INT4_TYPES | {"Q8_0"}
 TIED_EMBEDDING = "token_embd.weight"
@@ -85,7 +85,7 @@ def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     kind = tensor.tensor_type.name
     rows = int(tensor.shape[1])
     head = 4 if kind == "Q4_1" else 2  # fp16 d (and m), then 16 bytes of codes
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, head + Q4_BLOCK // 2)
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, head + GGUF_BLOCK // 2)
     halves = blocks[..., :head].copy().view(np.float16).astype(np.float32)
     scale = halves[..., 0]
     codes = blocks[..., head:]
@@ -122,7 +122,7 @@ def q8_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
     """(q int8 [N, K], d float32 [N, K/32]) of a Q8_0 tensor (blocks: fp16 d, 32 int8 codes),
     W = q·d."""
     rows = int(tensor.shape[1])
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 2 + Q4_BLOCK)
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 2 + GGUF_BLOCK)
     scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
     q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     return q, scale
