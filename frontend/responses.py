@@ -92,23 +92,22 @@ class ChatFormat:
         times the first chunk (as `vllm bench serve` does) then measures the real TTFT."""
         if self.tool_parser is not None:
             return self._tool_delta_chunk(index, delta, first)
-        if first:
-            return self._chunk([self._choice(index, "delta", _assistant(delta.text), delta)])
-        message = {"content": delta.text} if delta.text else {}
-        return self._chunk([self._choice(index, "delta", message, delta)])
+        return self._chunk([self._choice(index, "delta", _delta_message(delta.text, first),
+                                         delta)])
 
     def _tool_delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
         """Content and tool-call deltas as the parser releases them."""
         assert self.tool_parser is not None
-        parser = self._parsers.setdefault(index, make_parser(self.tool_parser))
+        parser = self._parsers.get(index)
+        if parser is None:  # not setdefault: that would make a parser for every token
+            parser = self._parsers[index] = make_parser(self.tool_parser)
         piece = parser.feed(delta.text)
         finish_reason = delta.finish_reason
         if finish_reason is not None:
             piece.extend(parser.finish())
             if finish_reason == "stop" and parser.num_calls:
                 finish_reason = "tool_calls"
-        message: dict[str, Any] = _assistant(piece.content) if first else (
-            {"content": piece.content} if piece.content else {})
+        message = _delta_message(piece.content, first)
         if piece.deltas:
             message["tool_calls"] = [call_delta.to_openai() for call_delta in piece.deltas]
         shown = Delta(delta.text, finish_reason, delta.logprobs)
@@ -153,6 +152,13 @@ class ChatFormat:
 
 def _assistant(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
+
+
+def _delta_message(text: str, first: bool) -> dict[str, Any]:
+    """A choice's first delta carries the role; later ones only text, if any."""
+    if first:
+        return _assistant(text)
+    return {"content": text} if text else {}
 
 
 ResponseFormat = CompletionFormat | ChatFormat
