@@ -4,7 +4,8 @@
 # with `bench/gpu_prepare.sh` (wheels and tokenizer files into .whl/). It prints one table:
 #   - tests on the GPU: logit parity vs transformers (fp32, bf16), the engine oracle with
 #     chunked prefill and forced preemption (tests/test_device_path.py), the Triton kernels
-#     compiled natively vs the torch reference (tests/test_triton_attention.py);
+#     compiled natively vs the torch reference (tests/test_triton_attention.py), decode steps
+#     replayed from CUDA graphs equal to the eager engine (tests/test_cuda_graphs.py);
 #   - random-weight models built from configs (SmolLM2-135M's, a ~1B Llama shape);
 #   - W1 offline (bench.offline) and served through launch.py with streaming requests at
 #     c=1,64,256 (bench.compare), against transformers' static `generate` at batch 1 and 256.
@@ -61,17 +62,16 @@ row() {
     echo "[gpu_check] $name: $status"
 }
 
-row "device tests" 300 env LOOM_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_device_path.py
-if [ "$DEVICE" = cuda ]; then
-    row "triton kernels native" 300 env LOOM_TRITON_NATIVE=1 "$PY" -m pytest -q \
-        -p no:cacheprovider tests/test_triton_attention.py
-else
-    row "triton kernels interpreted" 300 "$PY" -m pytest -q -p no:cacheprovider \
-        tests/test_triton_attention.py
-fi
-echo "| CUDA graphs replay = eager | not built yet | | issue 14: decode graphs are the next step |" \
-    >>"$TABLE"
+# On a GPU the Triton kernels compile natively; on the CPU they go through the interpreter.
+NATIVE=0
+KERNELS="interpreted"
+[ "$DEVICE" = cuda ] && NATIVE=1 && KERNELS="native"
+row "device tests" 300 env LOOM_TEST_DEVICE="$DEVICE" LOOM_TRITON_NATIVE=$NATIVE "$PY" -m pytest \
+    -q -p no:cacheprovider tests/test_device_path.py
+row "triton kernels $KERNELS" 300 env LOOM_TRITON_NATIVE=$NATIVE "$PY" -m pytest -q \
+    -p no:cacheprovider tests/test_triton_attention.py
+row "decode graphs replay = eager" 300 env LOOM_TEST_DEVICE="$DEVICE" LOOM_TRITON_NATIVE=$NATIVE \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
 
 for model in $MODELS; do
     row "build $model" 300 "$PY" -m bench.gpu_models --tokenizer .whl/tokenizer \

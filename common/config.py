@@ -33,7 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     compile: bool = False  # torch.compile the forward (engine.compiled_forward)
-    enforce_eager: bool = False  # vLLM's flag: never compile, whatever `compile` says
+    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs, and never compile
     quantization: str = "auto"  # auto (a GGUF's own) | none | int8 | int4 | w8a8
     quantization_group_size: int = 32  # int4: input channels per scale and zero
     grammar_compile_timeout: float = 5.0  # seconds a structured-output grammar may take to build
@@ -123,7 +123,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile the forward (inductor); the first start compiles "
                              "for ~1 min, later ones load the compile cache")
     engine.add_argument("--enforce-eager", action="store_true",
-                        help="never compile the forward (the default; wins over --compile)")
+                        help="no CUDA graphs for decode steps on a GPU, and never compile "
+                             "the forward (wins over --compile)")
     engine.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
                         help="weights quantized at load: int8 / int4 weight-only, w8a8 (int8 "
                              "weights and per-token int8 activations); auto: as the checkpoint "

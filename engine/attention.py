@@ -45,6 +45,7 @@ from engine.cpu_decode_kernel import (
 )
 from engine.cpu_elementwise_kernel import rows_of_contiguous_heads
 from engine.forward_context import current_metadata
+from engine.host_copy import device_tensor, upload
 from engine.linear import native_bf16_matmul
 from engine.triton_attention import QueryRows
 from engine.triton_attention import paged_attention as triton_attention
@@ -182,6 +183,9 @@ class AttentionMetadata:
     workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
     head_plans: dict[tuple[int, bool], HeadPlan] = field(default_factory=dict)
     triton_rows: QueryRows | None = None  # the Triton kernels' per-row view, made once a step
+    # Recorded into a CUDA graph (engine.cuda_graphs): only the tensors above are the step's,
+    # the lists are the recording's, so attention takes the Triton path, which reads no list.
+    static: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -227,6 +231,8 @@ class AttentionMetadata:
         return metadata
 
     def step_plan(self, block_size: int) -> StepPlan:
+        if self.static:
+            raise RuntimeError("a graph-recorded step has no plan: its lists are not the step's")
         if self.plan is None:
             self.plan = plan_step(self, block_size)
         if self.plan.block_size != block_size:
@@ -256,7 +262,7 @@ def int_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
     buffer = array.array("q", values)
     if not buffer:
         return torch.empty(0, dtype=torch.int64, device=device)
-    return torch.frombuffer(buffer, dtype=torch.int64).to(device, copy=True)
+    return upload(torch.frombuffer(buffer, dtype=torch.int64), device)
 
 
 def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
@@ -454,7 +460,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    if triton_applies(q, k_cache):
+    if metadata.static or triton_applies(q, k_cache):
         return triton_paged_attention(q, k, v, k_cache, v_cache, metadata, scale)
     plan = metadata.step_plan(block_size)
     use_kernel = plan.kernel_rows is not None and cpp_decode_applies(q, k_cache, v_cache)
@@ -632,9 +638,13 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def triton_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """CUDA with triton installed, power-of-two head dim and block size (`tl.arange`)."""
-    head_dim, block_size = q.shape[-1], k_cache.shape[2]
-    return (TRITON_ATTENTION and q.is_cuda and triton_installed()
-            and not head_dim & (head_dim - 1) and not block_size & (block_size - 1))
+    return (TRITON_ATTENTION and q.is_cuda
+            and triton_supports(head_dim=q.shape[-1], block_size=k_cache.shape[2]))
+
+
+def triton_supports(head_dim: int, block_size: int) -> bool:
+    return (triton_installed() and not head_dim & (head_dim - 1)
+            and not block_size & (block_size - 1))
 
 
 @functools.cache
@@ -657,8 +667,8 @@ def triton_paged_attention(
 def query_rows(metadata: AttentionMetadata, device: torch.device) -> QueryRows:
     """Every query row of the step as the Triton kernel reads it (see `causal_rows`)."""
     _, seq_lens, owners = causal_rows(metadata, range(metadata.num_requests))
-    return QueryRows(torch.tensor(owners, dtype=torch.int32, device=device),
-                     torch.tensor(seq_lens, dtype=torch.int32, device=device))
+    return QueryRows(device_tensor(owners, torch.int32, device),
+                     device_tensor(seq_lens, torch.int32, device))
 
 
 def cpp_write_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -6,9 +6,11 @@ engine tests all drive this same object.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -21,8 +23,9 @@ from common.protocol import (
     StepOutputs,
     StepStats,
 )
-from engine.attention import load_cpp_decode
+from engine.attention import load_cpp_decode, triton_supports
 from engine.block_manager import BlockManager
+from engine.cuda_graphs import CudaGraphRecorder, Recorder
 from engine.grammar import GrammarBuild, GrammarCompiler
 from engine.loader import choose_dtype, load_model, weight_bytes
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -65,7 +68,10 @@ class EngineTotals:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, record_traces: bool = False) -> None:
+    def __init__(self, config: EngineConfig, record_traces: bool = False,
+                 recorder: Recorder | Literal["auto"] | None = "auto") -> None:
+        """`recorder`: how decode graphs are recorded; "auto" records CUDA graphs on a GPU
+        unless --enforce-eager (tests on the CPU pass engine.cuda_graphs.EagerReplay)."""
         self.config = config
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
@@ -83,13 +89,13 @@ class EngineCore:
             logger.warning("sliding-window attention is not implemented: max model len is "
                            "capped at the window, %d tokens", limit)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.recorder = self._default_recorder() if recorder == "auto" else recorder
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device,
-                                  self.dtype, compiled=config.compiled)
+        self.runner = self._make_runner(num_blocks, self.recorder)
         self.sampler = Sampler(self.device, config.seed)
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: dict[str, AwaitingGrammar] = {}
@@ -110,13 +116,46 @@ class EngineCore:
         return kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads,
                                   model_config.head_dim, self.config.block_size, self.dtype)
 
+    def _default_recorder(self) -> Recorder | None:
+        """CUDA graphs where the GPU path's attention (Triton) serves the model's shapes."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if not triton_supports(self.model.config.head_dim, self.config.block_size):
+            logger.warning("no CUDA graphs: they need triton and power-of-two head dim and "
+                           "block size")
+            return None
+        return CudaGraphRecorder(self.device)
+
+    def _make_runner(self, num_blocks: int, recorder: Recorder | None) -> ModelRunner:
+        return ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
+                           self.dtype, compiled=self.config.compiled, recorder=recorder,
+                           max_model_len=self.max_model_len,
+                           max_num_seqs=self.config.max_num_seqs)
+
+    def _graph_memory(self) -> int:
+        """Bytes the decode graphs keep on the GPU: measured by recording them once over a
+        one-block cache, before the real cache is sized (and released again)."""
+        if self.recorder is None or self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        probe = self._make_runner(1, CudaGraphRecorder(self.device))
+        torch.cuda.synchronize(self.device)
+        held = torch.cuda.memory_reserved(self.device) - before
+        del probe
+        gc.collect()
+        torch.cuda.empty_cache()
+        logger.info("decode graphs hold %.0f MiB, kept out of the KV cache", held / 2**20)
+        return held
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
+            graph_bytes = self._graph_memory()
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
+            budget = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION) - graph_bytes
         budget = budget if budget is not None else DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // self._bytes_per_block
         if num_blocks < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.grammar import mask_logits
+from engine.host_copy import device_tensor
 from engine.request import Request
 
 
@@ -75,11 +76,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
                             + (sampling.presence_penalty if count else 0.0))
     if not rows:
         return logits
-    index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
+    index = (device_tensor(rows, torch.int64, device), device_tensor(columns, torch.int64, device))
     values = logits[index]
-    penalty = torch.tensor(repetition, dtype=logits.dtype, device=device)
+    penalty = device_tensor(repetition, logits.dtype, device)
     values = torch.where(values > 0, values / penalty, values * penalty)
-    logits[index] = values - torch.tensor(subtract, dtype=logits.dtype, device=device)
+    logits[index] = values - device_tensor(subtract, logits.dtype, device)
     return logits
 
 
@@ -91,7 +92,8 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
                 rows.append(row)
                 columns.append(token_id)
                 values.append(bias)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
-    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device),
+    device = logits.device
+    index = (device_tensor(rows, torch.int64, device), device_tensor(columns, torch.int64, device))
+    logits.index_put_(index, device_tensor(values, logits.dtype, device),
                       accumulate=True)
     return logits

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, int_tensor
 from engine.compiled_forward import Forward, compile_forward, timed_warm_up
+from engine.cuda_graphs import DecodeGraphs, Recorder
 from engine.forward_context import forward_context
 from engine.scheduler import ScheduledChunk
 
@@ -16,13 +19,58 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return 2 * num_layers * num_kv_heads * head_dim * block_size * element_size
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """The step's flattened batch as Python lists: decodes first, then prefill chunks."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # the rows whose logits are sampled
+    sampling_chunks: list[ScheduledChunk] = field(default_factory=list)
+
+    @classmethod
+    def gather(cls, chunks: list[ScheduledChunk], block_size: int) -> StepInputs:
+        # Decodes first, then prefill chunks: attention can treat the two groups separately.
+        inputs = cls()
+        for chunk in sorted(chunks, key=lambda chunk: chunk.num_tokens > 1):
+            request = chunk.request
+            start = request.num_computed_tokens
+            end = start + chunk.num_tokens
+            inputs.token_ids.extend(request.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
+            table = request.block_table
+            inputs.slot_mapping.extend(table[p // block_size] * block_size + p % block_size
+                                       for p in range(start, end))
+            inputs.query_lens.append(chunk.num_tokens)
+            inputs.seq_lens.append(end)
+            inputs.block_tables.append(table)
+            if chunk.completes_sequence:
+                inputs.sample_rows.append(len(inputs.token_ids) - 1)
+                inputs.sampling_chunks.append(chunk)
+        return inputs
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.token_ids) == len(self.query_lens)
+
+
 class ModelRunner:
+    """Runs steps over the paged KV cache. With a graph `recorder` (CUDA graphs, see
+    engine.cuda_graphs) the cache holds one more block than the scheduler's, the padding
+    block of recorded decode batches, and decode steps replay recorded graphs."""
+
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, compiled: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, compiled: bool = False,
+                 recorder: Recorder | None = None, max_model_len: int = 0,
+                 max_num_seqs: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = model.kv_cache_shape(num_blocks, block_size)
+        shape = model.kv_cache_shape(num_blocks + (recorder is not None), block_size)
         # Zeroed, not empty: padded tails of blocks are read (and masked) by attention.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
@@ -33,6 +81,11 @@ class ModelRunner:
         if compiled:
             self.forward = compile_forward(model)
             timed_warm_up(self._placeholder_step)
+        self.graphs: DecodeGraphs | None = None
+        if recorder is not None:
+            self.graphs = DecodeGraphs(self.forward, self.kv_caches, block_size, max_model_len,
+                                       max_num_seqs, padding_block=num_blocks, device=device,
+                                       recorder=recorder)
 
     @torch.inference_mode()
     def _placeholder_step(self, num_tokens: int) -> None:
@@ -48,37 +101,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Runs the step; returns the chunks that sample a token and their float32 logits."""
-        # Decodes first, then prefill chunks: attention can treat the two groups separately.
-        ordered = sorted(chunks, key=lambda chunk: chunk.num_tokens > 1)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_lens, seq_lens, block_tables = [], [], []
-        sample_rows: list[int] = []
-        sampling_chunks: list[ScheduledChunk] = []
-        block_size = self.block_size
-        for chunk in ordered:
-            request = chunk.request
-            start = request.num_computed_tokens
-            end = start + chunk.num_tokens
-            token_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = request.block_table
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size
-                                for p in range(start, end))
-            query_lens.append(chunk.num_tokens)
-            seq_lens.append(end)
-            block_tables.append(table)
-            if chunk.completes_sequence:
-                sample_rows.append(len(token_ids) - 1)
-                sampling_chunks.append(chunk)
-        metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping,
-                                           block_size, self.device)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with forward_context(metadata):
-            hidden = self.forward(input_ids, position_ids, self.kv_caches)
-        if not sample_rows:
+        inputs = StepInputs.gather(chunks, self.block_size)
+        graphs = self.graphs
+        if graphs is not None and inputs.is_decode_only \
+                and len(inputs.token_ids) <= graphs.max_batch:
+            hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mapping,
+                                inputs.seq_lens, inputs.block_tables)
+        else:
+            hidden = self._run_eager(inputs)
+        if not inputs.sample_rows:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return sampling_chunks, self.model.compute_logits(hidden.index_select(0, rows))
+        if len(inputs.sample_rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, int_tensor(inputs.sample_rows, self.device))
+        return inputs.sampling_chunks, self.model.compute_logits(hidden)
+
+    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
+        metadata = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens,
+                                           inputs.block_tables, inputs.slot_mapping,
+                                           self.block_size, self.device)
+        with forward_context(metadata):
+            return self.forward(int_tensor(inputs.token_ids, self.device),
+                                int_tensor(inputs.positions, self.device), self.kv_caches)

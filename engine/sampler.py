@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.host_copy import device_tensor, download
 from engine.logits_processors import process_logits
 from engine.request import Request
 
@@ -47,8 +48,17 @@ class Sampler:
         sampled = processed.argmax(dim=-1)
         if not all(greedy):
             randomly = self._sample_random(processed, requests, greedy)
-            sampled = torch.where(torch.tensor(greedy, device=logits.device), sampled, randomly)
-        return SampleResult(sampled.tolist(), self._logprobs(logits, sampled, requests))
+            sampled = torch.where(device_tensor(greedy, torch.bool, logits.device), sampled,
+                                  randomly)
+        wanted = [request.sampling.logprobs for request in requests]
+        if all(n is None for n in wanted):
+            token_ids, = download(sampled)
+            return SampleResult(list(map(int, token_ids)), [None] * len(requests))
+        rows = [row for row, n in enumerate(wanted) if n is not None]
+        top_n = max(wanted[row] for row in rows)
+        token_ids, *logprob_lists = download(sampled, *self._logprobs(logits, sampled, rows, top_n))
+        return SampleResult(list(map(int, token_ids)),
+                            self._logprob_rows(wanted, rows, top_n, *logprob_lists))
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request],
                        greedy: list[bool]) -> torch.Tensor:
@@ -65,13 +75,16 @@ class Sampler:
             logits, candidate_ids = logits.topk(width, dim=-1)
         elif any(params.top_p < 1.0 or params.top_k > 0 for params in sampling_rows):
             logits, candidate_ids = logits.sort(dim=-1, descending=True)
-        temperatures = torch.tensor([r.sampling.temperature or 1.0 for r in requests],
-                                    dtype=logits.dtype, device=logits.device)
+        temperatures = device_tensor([r.sampling.temperature or 1.0 for r in requests],
+                                     logits.dtype, logits.device)
         logits = logits / temperatures[:, None]
         probs = self._filter(logits, requests, is_sorted=candidate_ids is not None).softmax(-1)
         noise = torch.empty_like(probs)
-        for row, request in enumerate(requests):
-            noise[row].exponential_(generator=self._generator_for(request))
+        if all(request.sampling.seed is None for request in requests):
+            noise.exponential_(generator=self.default_generator)
+        else:
+            for row, request in enumerate(requests):
+                noise[row].exponential_(generator=self._generator_for(request))
         choice = (probs / noise).argmax(dim=-1)
         return choice if candidate_ids is None else candidate_ids.gather(1, choice[:, None])[:, 0]
 
@@ -82,44 +95,47 @@ class Sampler:
         min_ps = [request.sampling.min_p for request in requests]
         if any(min_ps):
             # p / p_max = exp(logit - max logit): no softmax needed for the threshold.
-            floor = torch.tensor([math.log(p) if p > 0 else -math.inf for p in min_ps],
-                                 dtype=logits.dtype, device=device)
+            floor = device_tensor([math.log(p) if p > 0 else -math.inf for p in min_ps],
+                                  logits.dtype, device)
             threshold = logits.max(dim=-1, keepdim=True).values + floor[:, None]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         if not is_sorted:
             return logits
         width = logits.shape[-1]
-        top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else width
-                              for r in requests], device=device)
+        top_k = device_tensor([r.sampling.top_k if r.sampling.top_k > 0 else width
+                               for r in requests], torch.int64, device)
         drop = torch.arange(width, device=device)[None, :] >= top_k[:, None]
-        top_p = torch.tensor([r.sampling.top_p for r in requests], dtype=logits.dtype,
-                             device=device)
-        if bool((top_p < 1.0).any()):
+        if any(r.sampling.top_p < 1.0 for r in requests):
+            top_p = device_tensor([r.sampling.top_p for r in requests], logits.dtype, device)
             probs = logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the token crossing it kept).
             drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         return logits.masked_fill(drop, float("-inf"))
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, sampled: torch.Tensor,
-                  requests: list[Request]) -> list[TokenLogprobs | None]:
+    def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, rows: list[int], top_n: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probabilities of the model's own distribution (before any sampling edits),
-        as vLLM reports them: the chosen token's, and the top-N."""
-        wanted = [request.sampling.logprobs for request in requests]
-        if all(n is None for n in wanted):
-            return [None] * len(requests)
-        rows = [row for row, n in enumerate(wanted) if n is not None]
-        if len(rows) < len(requests):
-            row_index = torch.tensor(rows, device=logits.device)
+        as vLLM reports them, for `rows`: the chosen token's [R], the top-N's [R, N] and
+        their ids [R, N], on the device."""
+        if len(rows) < logits.shape[0]:
+            row_index = device_tensor(rows, torch.int64, logits.device)
             logits, sampled = logits.index_select(0, row_index), sampled.index_select(0, row_index)
         normalizer = logits.logsumexp(dim=-1, keepdim=True)  # logprob = logit - normalizer
-        chosen = (logits.gather(1, sampled[:, None]) - normalizer)[:, 0].tolist()
-        top_values, top_ids = logits.topk(max(wanted[row] for row in rows), dim=-1)
-        top_values, top_ids = (top_values - normalizer).tolist(), top_ids.tolist()
-        results: list[TokenLogprobs | None] = [None] * len(requests)
+        chosen = (logits.gather(1, sampled[:, None]) - normalizer)[:, 0]
+        top_values, top_ids = logits.topk(top_n, dim=-1)
+        return chosen, top_values - normalizer, top_ids
+
+    @staticmethod
+    def _logprob_rows(wanted: list[int | None], rows: list[int], top_n: int,
+                      chosen: list[float], top_values: list[float], top_ids: list[float],
+                      ) -> list[TokenLogprobs | None]:
+        """The downloaded logprobs as each row reports them: [chosen, [[id, logprob], ...]]."""
+        results: list[TokenLogprobs | None] = [None] * len(wanted)
         for position, row in enumerate(rows):
             n = wanted[row]
-            top = [[token_id, value] for token_id, value in
-                   zip(top_ids[position][:n], top_values[position][:n], strict=True)]
+            start = position * top_n
+            top = [[int(token_id), value] for token_id, value in
+                   zip(top_ids[start:start + n], top_values[start:start + n], strict=True)]
             results[row] = [chosen[position], top]
         return results

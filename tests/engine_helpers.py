@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import wait
+from typing import Literal
 
 import torch
 
@@ -11,14 +12,17 @@ from common.config import EngineConfig
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore
+from engine.cuda_graphs import Recorder
 
 _ids = itertools.count()
 
 
-def make_core(model_dir: str, **overrides) -> EngineCore:
+def make_core(model_dir: str, recorder: Recorder | Literal["auto"] | None = "auto",
+              **overrides) -> EngineCore:
     settings = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 64 * 1024**2}
     settings.update(overrides)
-    return EngineCore(EngineConfig(model=model_dir, **settings), record_traces=True)
+    return EngineCore(EngineConfig(model=model_dir, **settings), record_traces=True,
+                      recorder=recorder)
 
 
 def greedy_request(prompt: list[int], max_tokens: int, request_id: str | None = None,

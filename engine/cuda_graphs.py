@@ -1,0 +1,230 @@
+"""CUDA graphs for decode steps.
+
+On a GPU a decode step launches a few hundred small kernels from Python, and at small batches
+the launches, not the GPU, set the pace. So each decode batch size up to the largest bucket is
+rounded up to a bucket, one graph per bucket is recorded at start-up over persistent input
+buffers, and each decode step copies its inputs into those buffers (pinned host memory,
+non-blocking) and replays the bucket's graph. Padding rows decode token 0 at position 0 into a
+reserved KV block that no request ever owns. Prefill and mixed steps, and decode batches above
+the largest bucket, run eagerly; `--enforce-eager` turns graphs off.
+
+Inside a graph, attention may read only tensors whose addresses never change: the recorded
+step's metadata holds views of the persistent buffers and is marked `static`, which takes the
+Triton path of engine.attention, the one path that reads no per-step Python values.
+
+A `Recorder` hides the one CUDA-only piece. `CudaGraphRecorder` records and replays real
+graphs; `EagerReplay` (CPU tests, through Triton's interpreter) re-runs the recorded function
+over the same buffers, which checks everything but the recording: bucket padding, the
+reserved block, and that the buffers are the step's only inputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.attention import AttentionMetadata, blocks_for
+from engine.forward_context import forward_context
+from engine.triton_attention import QueryRows
+
+logger = logging.getLogger(__name__)
+
+# Decode batch sizes that get a graph (capped at --max-num-seqs); others round up to the next.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+Forward = Callable[[torch.Tensor, torch.Tensor, KVCaches], torch.Tensor]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    return sorted({min(size, max_num_seqs) for size in GRAPH_BATCH_SIZES})
+
+
+def bucket_for(sizes: list[int], batch: int) -> int:
+    """The smallest recorded size that holds `batch` decodes (sizes ascending)."""
+    if not 0 < batch <= sizes[-1]:
+        raise ValueError(f"no decode graph holds {batch} rows (largest: {sizes[-1]})")
+    return sizes[bisect.bisect_left(sizes, batch)]
+
+
+@dataclass(slots=True)
+class Recorded:
+    replay: Callable[[], None]
+    output: torch.Tensor  # where each replay leaves the step's hidden states
+
+
+class Recorder(Protocol):
+    def record(self, step: Callable[[], torch.Tensor]) -> Recorded: ...
+
+
+class CudaGraphRecorder:
+    """Real CUDA graphs sharing one memory pool, recorded from the largest batch down."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def record(self, step: Callable[[], torch.Tensor]) -> Recorded:
+        # One eager run first, on a side stream, as torch.cuda.graph requires: it compiles
+        # the Triton kernels and sets up cuBLAS workspaces outside the recording.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = step()
+        return Recorded(graph.replay, output)
+
+
+class EagerReplay:
+    """Replays by running the step again over the same buffers (CPU tests)."""
+
+    def record(self, step: Callable[[], torch.Tensor]) -> Recorded:
+        output = step()
+        return Recorded(lambda: output.copy_(step()), output)
+
+
+@dataclass(slots=True)
+class StagedBuffer:
+    """A persistent device tensor and its pinned host twin (the same tensor on the CPU)."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+
+    @classmethod
+    def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> StagedBuffer:
+        on_device = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cpu":
+            return cls(on_device, on_device)
+        return cls(on_device, torch.zeros(shape, dtype=dtype, pin_memory=True))
+
+    def upload(self, rows: int, columns: int | None = None) -> None:
+        """Copies the first `rows` (and `columns`) to the device without waiting. The host
+        side is rewritten next step only after the step's one synchronisation (the sampled
+        token ids coming back), so the copy has long finished by then."""
+        if self.host is self.device:
+            return
+        if columns is None:
+            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        else:
+            self.device[:rows, :columns].copy_(self.host[:rows, :columns], non_blocking=True)
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """A decode step's inputs, padded to the largest bucket, at fixed addresses."""
+
+    input_ids: StagedBuffer  # [capacity] int64
+    positions: StagedBuffer  # [capacity] int64
+    slot_mapping: StagedBuffer  # [capacity] int64
+    context_lens: StagedBuffer  # [capacity] int32: tokens each row attends (its seq len)
+    block_tables: StagedBuffer  # [capacity, max blocks per sequence] int64
+    rows: torch.Tensor  # [capacity] int32: row i reads block-table row i (constant)
+    padding_block: int  # the KV block no request owns
+    block_size: int
+
+    @classmethod
+    def allocate(cls, capacity: int, width: int, padding_block: int, block_size: int,
+                 device: torch.device) -> DecodeInputs:
+        inputs = cls(
+            *(StagedBuffer.allocate((capacity,), torch.int64, device) for _ in range(3)),
+            StagedBuffer.allocate((capacity,), torch.int32, device),
+            StagedBuffer.allocate((capacity, width), torch.int64, device),
+            torch.arange(capacity, dtype=torch.int32, device=device),
+            padding_block,
+            block_size,
+        )
+        inputs.stage([], [], [], [], [], capacity)  # recording runs on padding rows only
+        return inputs
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.numel()
+
+    def stage(self, token_ids: list[int], positions: list[int], slots: list[int],
+              seq_lens: list[int], tables: list[list[int]], size: int) -> None:
+        """The first `size` rows: the step's decodes, then padding rows, which decode token 0
+        at position 0 of the padding block. (numpy views: list assignment there is several
+        times cheaper than a torch.tensor per list.)"""
+        n = len(token_ids)
+        pad = self.padding_block
+        for buffer, values, filler in ((self.input_ids, token_ids, 0),
+                                       (self.positions, positions, 0),
+                                       (self.slot_mapping, slots, pad * self.block_size),
+                                       (self.context_lens, seq_lens, 1)):
+            host = buffer.host.numpy()
+            host[:n] = values
+            host[n:size] = filler
+            buffer.upload(size)
+        host_tables = self.block_tables.host.numpy()
+        for row, table in enumerate(tables):  # ragged: one slice assignment per row
+            host_tables[row, :len(table)] = table
+        host_tables[n:size, 0] = pad  # a padding row reads its one token from there
+        self.block_tables.upload(size, max(map(len, tables), default=1))
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """What attention reads inside a graph of `size` rows: views of the buffers only."""
+        return AttentionMetadata(
+            query_start_loc=list(range(size + 1)),
+            seq_lens=[],  # per step, so never read: `static` takes the Triton path
+            block_tables=self.block_tables.device[:size],
+            slot_mapping=self.slot_mapping.device[:size],
+            triton_rows=QueryRows(self.rows[:size], self.context_lens.device[:size]),
+            static=True,
+        )
+
+
+class DecodeGraphs:
+    """One recorded decode step per bucket of batch sizes, over one set of DecodeInputs."""
+
+    def __init__(self, forward: Forward, kv_caches: KVCaches, block_size: int,
+                 max_model_len: int, max_num_seqs: int, padding_block: int,
+                 device: torch.device, recorder: Recorder) -> None:
+        self.forward = forward
+        self.kv_caches = kv_caches
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.inputs = DecodeInputs.allocate(self.sizes[-1], blocks_for(max_model_len, block_size),
+                                            padding_block, block_size, device)
+        started = time.perf_counter()
+        self.graphs: dict[int, Recorded] = {}
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # the largest first: the rest reuse its memory
+                self.graphs[size] = recorder.record(self._step(size))
+        logger.info("decode graphs for batch sizes %s recorded in %.1f s", self.sizes,
+                    time.perf_counter() - started)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _step(self, size: int) -> Callable[[], torch.Tensor]:
+        """The decode step of `size` rows, its metadata and input views made once, as a
+        recording fixes them."""
+        metadata = self.inputs.metadata(size)
+        input_ids = self.inputs.input_ids.device[:size]
+        positions = self.inputs.positions.device[:size]
+
+        def step() -> torch.Tensor:
+            with forward_context(metadata):
+                return self.forward(input_ids, positions, self.kv_caches)
+
+        return step
+
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int],
+            seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Hidden states [len(token_ids), hidden] of one decode step (a view of the graph's
+        output: read it before the next replay)."""
+        size = bucket_for(self.sizes, len(token_ids))
+        self.inputs.stage(token_ids, positions, slots, seq_lens, tables, size)
+        recorded = self.graphs[size]
+        recorded.replay()
+        return recorded.output[:len(token_ids)]
