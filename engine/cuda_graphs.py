@@ -108,9 +108,8 @@ class StagedBuffer:
         return cls(on_device, torch.zeros(shape, dtype=dtype, pin_memory=True))
 
     def upload(self, rows: int, columns: int | None = None) -> None:
-        """Copies the first `rows` (and `columns`) to the device without waiting. The host
-        side is rewritten next step only after the step's one synchronisation (the sampled
-        token ids coming back), so the copy has long finished by then."""
+        """Copies the first `rows` (and `columns`) to the device without waiting (the host
+        side must not change until the copy is done: see DecodeInputs.stage)."""
         if self.host is self.device:
             return
         if columns is None:
@@ -131,6 +130,7 @@ class DecodeInputs:
     rows: torch.Tensor  # [capacity] int32: row i reads block-table row i (constant)
     padding_block: int  # the KV block no request owns
     block_size: int
+    uploaded: torch.cuda.Event | None = None  # the last stage's copies, on a GPU
 
     @classmethod
     def allocate(cls, capacity: int, width: int, padding_block: int, block_size: int,
@@ -155,6 +155,9 @@ class DecodeInputs:
         """The first `size` rows: the step's decodes, then padding rows, which decode token 0
         at position 0 of the padding block. (numpy views: list assignment there is several
         times cheaper than a torch.tensor per list.)"""
+        if self.uploaded is not None:
+            # Normally long done: a step's sampled ids coming back waited for its copies.
+            self.uploaded.synchronize()
         n = len(token_ids)
         pad = self.padding_block
         for buffer, values, filler in ((self.input_ids, token_ids, 0),
@@ -170,6 +173,9 @@ class DecodeInputs:
             host_tables[row, :len(table)] = table
         host_tables[n:size, 0] = pad  # a padding row reads its one token from there
         self.block_tables.upload(size, max(map(len, tables), default=1))
+        if self.rows.is_cuda:
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record()
 
     def metadata(self, size: int) -> AttentionMetadata:
         """What attention reads inside a graph of `size` rows: views of the buffers only."""
@@ -202,9 +208,8 @@ class DecodeGraphs:
         logger.info("decode graphs for batch sizes %s recorded in %.1f s", self.sizes,
                     time.perf_counter() - started)
 
-    @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
+    def serves(self, batch: int, table_width: int) -> bool:
+        return batch <= self.sizes[-1] and table_width <= self.inputs.block_tables.host.shape[1]
 
     def _step(self, size: int) -> Callable[[], torch.Tensor]:
         """The decode step of `size` rows, its metadata and input views made once, as a

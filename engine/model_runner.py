@@ -103,8 +103,8 @@ class ModelRunner:
         """Runs the step; returns the chunks that sample a token and their float32 logits."""
         inputs = StepInputs.gather(chunks, self.block_size)
         graphs = self.graphs
-        if graphs is not None and inputs.is_decode_only \
-                and len(inputs.token_ids) <= graphs.max_batch:
+        if graphs is not None and inputs.is_decode_only and graphs.serves(
+                len(inputs.token_ids), max(map(len, inputs.block_tables), default=0)):
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mapping,
                                 inputs.seq_lens, inputs.block_tables)
         else:
