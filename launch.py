@@ -2,8 +2,10 @@
 
     python launch.py [--model DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto] ...
 
-Ctrl-C or SIGTERM stops both children; if either dies, the other is stopped and launch
-exits non-zero naming the cause.
+Ctrl-C or SIGTERM stops every child. If the frontend or the one engine dies, the rest are
+stopped and launch exits non-zero naming the cause; with several engines
+(--data-parallel-size), a dead engine is restarted with backoff, and launch gives up only
+when none can be kept alive.
 """
 
 from __future__ import annotations
@@ -19,16 +21,22 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from common.config import EngineConfig, add_chat_args, add_engine_args
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
+from frontend.router import ROUTING_POLICIES
 
 STOP_TIMEOUT_S = 4.0
 API_KEY_ENV = "LOOM_API_KEY"
 ENGINE_READY_TIMEOUT_S = 600.0
 FRONTEND_READY_TIMEOUT_S = 120.0
+# Several engines: a dead one restarts after RESTART_BACKOFF_S, doubled after each restart
+# that dies before READY; launch gives up once every engine has failed this many in a row.
+RESTART_BACKOFF_S = 1.0
+MAX_RESTART_BACKOFF_S = 30.0
+MAX_FAILED_RESTARTS = 3
 
 
 class ChildFailed(RuntimeError):
@@ -58,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "beyond which new ones get 503 with Retry-After")
     parser.add_argument("--max-body-bytes", type=positive_int, default=32 * 1024 * 1024,
                         help="largest request body accepted; larger ones get 413")
+    parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                        help="engine processes (replicas), each with its own KV cache and "
+                             "its share of the CPU cores (or its own GPU), behind one frontend")
+    parser.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
+                        help="how a request picks one of several engines: prefix affinity "
+                             "within a load bound (cache_aware), least loaded, round robin")
     add_chat_args(parser)
     add_engine_args(parser)
     return parser.parse_args(argv)
@@ -74,12 +88,15 @@ def say(message: str) -> None:
     print(f"[launch] {message}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:
-    """Children get SIGKILL if launch itself is killed, so nothing is ever orphaned."""
+def _die_with_parent(cores: list[int] | None = None) -> None:
+    """Children get SIGKILL if launch itself is killed, so nothing is ever orphaned; an
+    engine among several keeps to its `cores`."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     os.setpgrp()  # Ctrl-C reaches launch only; launch stops the children in order.
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
 
 
 def describe_exit(name: str, returncode: int) -> str:
@@ -88,33 +105,72 @@ def describe_exit(name: str, returncode: int) -> str:
     return f"{name} exited with code {returncode}"
 
 
+@dataclass(slots=True)
+class EngineSlot:
+    """One data-parallel rank: its addresses, its process, and its restarts."""
+
+    rank: int
+    endpoints: Endpoints
+    name: str  # "engine", or "engine RANK" with several
+    process: subprocess.Popen | None = None
+    failed_restarts: int = 0  # in a row, each dying before READY
+    restart_at: float | None = None  # monotonic time of the next restart, once it died
+
+
 class Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.endpoints = Endpoints.private_ipc()
-        self.children: dict[str, subprocess.Popen] = {}
+        size = args.data_parallel_size
+        self.engines = [EngineSlot(rank, Endpoints.private_ipc(),
+                                   "engine" if size == 1 else f"engine {rank}")
+                        for rank in range(size)]
+        self.frontend: subprocess.Popen | None = None
+        self.config: EngineConfig | None = None
         self.stopping = False
 
-    def start_engine(self, config: EngineConfig) -> Ready:
+    @property
+    def children(self) -> dict[str, subprocess.Popen]:
+        named = {slot.name: slot.process for slot in self.engines if slot.process is not None}
+        if self.frontend is not None:
+            named["frontend"] = self.frontend
+        return named
+
+    def start_engines(self, config: EngineConfig) -> Ready:
+        """Every rank at once (each loads the model in parallel); their READYs in order."""
+        self.config = config
+        pipes = [self._spawn_engine(slot) for slot in self.engines]
+        readies = [self._await_ready(slot, pipe) for slot, pipe in zip(self.engines, pipes,
+                                                                       strict=True)]
+        return readies[0]
+
+    def _spawn_engine(self, slot: EngineSlot) -> int:
+        """Starts the rank's engine; returns the read end of its READY pipe."""
+        assert self.config is not None
         read_fd, write_fd = os.pipe()
-        command = [sys.executable, "-m", "engine", "--config-json", config.to_json(),
-                   "--requests-addr", self.endpoints.requests,
-                   "--outputs-addr", self.endpoints.outputs,
-                   "--ready-fd", str(write_fd), "--log-level", self.args.log_level]
-        self.children["engine"] = subprocess.Popen(
-            command, pass_fds=(write_fd,), preexec_fn=_die_with_parent)
+        command = [sys.executable, "-m", "engine", "--config-json", self.config.to_json(),
+                   "--requests-addr", slot.endpoints.requests,
+                   "--outputs-addr", slot.endpoints.outputs,
+                   "--ready-fd", str(write_fd), "--log-level", self.args.log_level,
+                   "--data-parallel-rank", str(slot.rank)]
+        cores = engine_cores(slot.rank, len(self.engines))
+        slot.process = subprocess.Popen(
+            command, pass_fds=(write_fd,), env=engine_env(slot.rank, len(self.engines), cores),
+            preexec_fn=lambda: _die_with_parent(cores))
         os.close(write_fd)
+        return read_fd
+
+    def _await_ready(self, slot: EngineSlot, read_fd: int) -> Ready:
         with os.fdopen(read_fd, "rb") as ready_pipe:
-            frame = self._read_ready_frame(ready_pipe)
+            frame = self._read_ready_frame(slot.name, ready_pipe)
         try:
             ready = decode(frame)
         except FrameError as exc:
-            raise ChildFailed(f"engine sent a bad READY frame: {exc}") from exc
+            raise ChildFailed(f"{slot.name} sent a bad READY frame: {exc}") from exc
         if not isinstance(ready, Ready):
-            raise ChildFailed(f"engine sent {type(ready).__name__} instead of READY")
+            raise ChildFailed(f"{slot.name} sent {type(ready).__name__} instead of READY")
         return ready
 
-    def _read_ready_frame(self, ready_pipe) -> bytes:
+    def _read_ready_frame(self, name: str, ready_pipe) -> bytes:
         deadline = time.monotonic() + ENGINE_READY_TIMEOUT_S
         chunks = []
         while time.monotonic() < deadline:
@@ -124,17 +180,21 @@ class Launcher:
                 if not chunk:
                     break
                 chunks.append(chunk)
-            self._check_alive("engine")
+            self._check_alive(name)
         if not chunks:
-            self._check_alive("engine")
-            raise ChildFailed("engine closed its READY pipe without sending READY")
+            self._check_alive(name)
+            raise ChildFailed(f"{name} closed its READY pipe without sending READY")
         return b"".join(chunks)
 
     def start_frontend(self, model_dir: str, ready: Ready) -> None:
+        engine_flags = []
+        for slot in self.engines:
+            assert slot.process is not None
+            engine_flags += ["--requests-addr", slot.endpoints.requests,
+                             "--outputs-addr", slot.endpoints.outputs,
+                             "--engine-pid", str(slot.process.pid)]
         command = [sys.executable, "-m", "frontend", "--host", self.args.host,
-                   "--port", str(self.args.port),
-                   "--requests-addr", self.endpoints.requests,
-                   "--outputs-addr", self.endpoints.outputs,
+                   "--port", str(self.args.port), *engine_flags,
                    "--model-dir", model_dir, "--served-model-name", ready.model_name,
                    "--engine-info", json.dumps(asdict(ready)),
                    "--log-level", self.args.log_level,
@@ -142,20 +202,19 @@ class Launcher:
                    "--max-waiting-requests", str(self.args.max_waiting_requests),
                    "--max-body-bytes", str(self.args.max_body_bytes),
                    "--tool-call-parser", self.args.tool_call_parser,
+                   "--routing-policy", self.args.routing_policy,
                    *(["--chat-template", self.args.chat_template]
-                     if self.args.chat_template else []),
-                   "--engine-pid", str(self.children["engine"].pid)]
+                     if self.args.chat_template else [])]
         # The key travels in the environment: a command line is visible to every local user.
         env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
         if self.args.api_key:
             env[API_KEY_ENV] = self.args.api_key
-        self.children["frontend"] = subprocess.Popen(command, env=env,
-                                                     preexec_fn=_die_with_parent)
+        self.frontend = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
         url = f"http://{self.args.host}:{self.args.port}/health"
         deadline = time.monotonic() + FRONTEND_READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            self._check_alive("frontend")
-            self._check_alive("engine")
+            for name in self.children:
+                self._check_alive(name)
             try:
                 with urllib.request.urlopen(url, timeout=1) as response:
                     if response.status == 200:
@@ -173,30 +232,97 @@ class Launcher:
             raise ChildFailed(describe_exit(name, returncode))
 
     def supervise(self) -> None:
-        """Raises StopRequested when asked to stop, ChildFailed when a child dies."""
+        """Raises StopRequested when asked to stop, ChildFailed when the frontend dies, when
+        the one engine dies, or when, with several, no engine can be kept alive."""
         while True:
-            for name in self.children:
-                self._check_alive(name)
+            self._check_alive("frontend")
+            if len(self.engines) == 1:
+                self._check_alive("engine")
+            else:
+                for slot in self.engines:
+                    self._keep_alive(slot)
             time.sleep(0.2)
+
+    def _keep_alive(self, slot: EngineSlot) -> None:
+        """Several engines: a dead one is restarted, after 1 s and twice as long after each
+        restart that died before READY (30 s at most)."""
+        assert slot.process is not None
+        if self.stopping:
+            raise StopRequested
+        returncode = slot.process.poll()
+        if returncode is None:
+            return
+        now = time.monotonic()
+        if slot.restart_at is None:
+            delay = min(RESTART_BACKOFF_S * 2**slot.failed_restarts, MAX_RESTART_BACKOFF_S)
+            say(f"error: {describe_exit(slot.name, returncode)}: restarting it in {delay:.0f} s")
+            slot.restart_at = now + delay
+            self._give_up_if_all_failed()
+        if now < slot.restart_at:
+            return
+        slot.restart_at = None
+        try:
+            self._await_ready(slot, self._spawn_engine(slot))
+        except ChildFailed as exc:
+            slot.failed_restarts += 1
+            say(f"error: {slot.name} did not come back: {exc}")
+            return
+        slot.failed_restarts = 0
+        say(f"{slot.name} is back (pid {slot.process.pid})")
+
+    def _give_up_if_all_failed(self) -> None:
+        if all(slot.process is not None and slot.process.poll() is not None
+               and slot.failed_restarts >= MAX_FAILED_RESTARTS for slot in self.engines):
+            raise ChildFailed(f"no engine could be kept alive ({MAX_FAILED_RESTARTS} restarts "
+                              "of each died before READY)")
 
     def stop_all(self) -> None:
         # The frontend goes first: it stops accepting and lets in-flight requests finish
-        # (up to --shutdown-timeout) while the engine still serves them.
+        # (up to --shutdown-timeout) while the engines still serve them.
         # After its drain the frontend takes up to ~2 s more to abort what is left and close.
-        grace = {"frontend": self.args.shutdown_timeout + STOP_TIMEOUT_S,
-                 "engine": STOP_TIMEOUT_S / 2}
-        for name in ("frontend", "engine"):
-            child = self.children.get(name)
-            if child is None or child.poll() is not None:
-                continue
-            child.terminate()
-            try:
-                child.wait(timeout=grace[name])
-            except subprocess.TimeoutExpired:
-                say(f"{name} did not stop in time: killing it")
-                child.kill()
-                child.wait()
-        self.endpoints.remove()
+        self._stop("frontend", self.frontend, self.args.shutdown_timeout + STOP_TIMEOUT_S)
+        for slot in self.engines:  # all at once, then each waited for
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.terminate()
+        for slot in self.engines:
+            self._stop(slot.name, slot.process, STOP_TIMEOUT_S / 2)
+            slot.endpoints.remove()
+
+    @staticmethod
+    def _stop(name: str, child: subprocess.Popen | None, grace: float) -> None:
+        """SIGTERM (again, if sent already: harmless), then SIGKILL after `grace` s."""
+        if child is None or child.poll() is not None:
+            return
+        child.terminate()
+        try:
+            child.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            say(f"{name} did not stop in time: killing it")
+            child.kill()
+            child.wait()
+
+
+def engine_cores(rank: int, size: int) -> list[int] | None:
+    """With several engines on the CPU, each its own slice of the cores launch may use."""
+    if size == 1:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < size:
+        return None
+    share = len(cores) // size
+    return cores[rank * share:(rank + 1) * share]
+
+
+def engine_env(rank: int, size: int, cores: list[int] | None) -> dict[str, str]:
+    """Threads to match the cores; with several engines on GPUs, one GPU each."""
+    env = dict(os.environ)
+    if cores is not None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+    if size > 1:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(size)]
+        env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,9 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         args.served_model_name = args.model  # not the snapshot's commit hash
     try:
         config = EngineConfig.from_args(args, model_dir)
-        ready = launcher.start_engine(config)
-        say(f"engine ready in {time.monotonic() - started:.1f} s: {ready.model_name}, "
-            f"{ready.num_kv_blocks} KV blocks of {ready.block_size} tokens, "
+        ready = launcher.start_engines(config)
+        engines = "engine" if args.data_parallel_size == 1 \
+            else f"{args.data_parallel_size} engines"
+        say(f"{engines} ready in {time.monotonic() - started:.1f} s: {ready.model_name}, "
+            f"{ready.num_kv_blocks} KV blocks of {ready.block_size} tokens"
+            f"{' each' if args.data_parallel_size > 1 else ''}, "
             f"max model len {ready.max_model_len}")
         launcher.start_frontend(model_dir, ready)
         say(f"serving {ready.model_name} at http://{args.host}:{args.port}/v1 "

@@ -20,9 +20,12 @@ def main() -> int:
     parser.add_argument("--ready-fd", type=int, default=None,
                         help="file descriptor that receives the READY frame, then closes")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--data-parallel-rank", type=int, default=None,
+                        help="this engine's rank among several (names it in the log)")
     args = parser.parse_args()
+    name = "engine" if args.data_parallel_rank is None else f"engine {args.data_parallel_rank}"
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [engine] %(message)s")
+                        format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     # Heavy imports after argument parsing so `--help` stays instant.

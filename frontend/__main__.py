@@ -21,7 +21,8 @@ from common.protocol import FrameError, Ready
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS
 from frontend.app import create_app
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
-from frontend.state import STATE, FrontendSettings
+from frontend.router import ROUTING_POLICIES
+from frontend.state import STATE, EngineAddress, FrontendSettings
 
 logger = logging.getLogger("loom.frontend")
 
@@ -37,12 +38,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--requests-addr",
         required=True,
-        help="ZeroMQ address of the engine's request socket (we connect)",
+        action="append",
+        help="ZeroMQ address of an engine's request socket (we connect); once per engine, "
+        "in data-parallel rank order",
     )
     parser.add_argument(
         "--outputs-addr",
         required=True,
-        help="ZeroMQ address of the engine's output socket (we connect)",
+        action="append",
+        help="ZeroMQ address of an engine's output socket (we connect); once per engine",
+    )
+    parser.add_argument(
+        "--routing-policy",
+        default="cache_aware",
+        choices=ROUTING_POLICIES,
+        help="how a request picks one of several engines (frontend/router.py)",
     )
     parser.add_argument(
         "--model-dir",
@@ -86,10 +96,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--engine-pid",
         type=int,
+        action="append",
         default=None,
-        help="the engine's process id, watched so that its exit is noticed at once",
+        help="an engine's process id, watched so that its exit is noticed at once; once per "
+        "engine, in rank order",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(args.outputs_addr) != len(args.requests_addr):
+        parser.error("give --requests-addr and --outputs-addr once per engine each")
+    if args.engine_pid is not None and len(args.engine_pid) != len(args.requests_addr):
+        parser.error("give --engine-pid once per engine, or not at all")
+    return args
+
+
+def engine_addresses(args: argparse.Namespace) -> list[EngineAddress]:
+    pids = args.engine_pid or [None] * len(args.requests_addr)
+    return [EngineAddress(requests, outputs, pid) for requests, outputs, pid
+            in zip(args.requests_addr, args.outputs_addr, pids, strict=True)]
 
 
 def _positive_int(text: str) -> int:
@@ -139,14 +162,13 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model_dir, args.chat_template)
     settings = FrontendSettings(
         served_name,
-        args.requests_addr,
-        args.outputs_addr,
+        engine_addresses(args),
         engine_info,
         api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
         max_body_bytes=args.max_body_bytes,
-        engine_pid=args.engine_pid,
         tool_call_parser=args.tool_call_parser,
+        routing_policy=args.routing_policy,
     )
     app = create_app(settings, tokenizer)
     runner = web.AppRunner(

@@ -1,4 +1,4 @@
-"""Overload protection: a bound on requests waiting for the engine.
+"""Overload protection: a bound on requests waiting for the engines.
 
 Waiting means sent to the engine and not yet running there (in flight minus the latest
 stats' running count); each of a request's n choices counts. Past the bound a new
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frontend.engine_client import EngineClient
+from frontend.engine_pool import EnginePool
 from frontend.errors import overloaded
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
@@ -20,7 +20,7 @@ RETRY_AFTER_S = 1
 class Admission:
     max_waiting: int = DEFAULT_MAX_WAITING_REQUESTS
 
-    def admit(self, engine: EngineClient, num_choices: int) -> None:
+    def admit(self, engine: EnginePool, num_choices: int) -> None:
         """Raises the 503 APIError when the waiting queue has no room for num_choices.
 
         A request larger than the whole bound still runs when nothing waits, so it is

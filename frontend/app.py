@@ -13,9 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from frontend.auth import api_key_middleware
 from frontend.body_limit import body_limit_middleware
 from frontend.engine_client import EngineClient
+from frontend.engine_pool import EnginePool
 from frontend.engine_sentinel import watch_engine
 from frontend.errors import INVALID_REQUEST, APIError, internal_error
 from frontend.openai_api import create_chat_completion, create_completion
+from frontend.router import Router
 from frontend.state import STATE, FrontendSettings, ServerState
 from frontend.tokenization import TokenizerService
 from frontend.tokenize_api import detokenize, tokenize
@@ -23,7 +25,7 @@ from frontend.tokenize_api import detokenize, tokenize
 logger = logging.getLogger("loom.frontend")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-ENGINE_SENTINEL = web.AppKey("loom_engine_sentinel", asyncio.Task)
+ENGINE_SENTINELS = web.AppKey("loom_engine_sentinels", list)
 
 
 def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
@@ -49,22 +51,31 @@ def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
 async def _connect_engine(app: web.Application) -> None:
     state = app[STATE]
     settings = state.settings
-    state.engine = EngineClient(settings.requests_addr, settings.outputs_addr, state.metrics)
+    several = len(settings.engines) > 1
+    clients = [EngineClient(address.requests, address.outputs, state.metrics, rank=rank,
+                            restartable=several)
+               for rank, address in enumerate(settings.engines)]
+    block_size = settings.engine_info.block_size if settings.engine_info else 16
+    state.engine = EnginePool(clients, Router(settings.routing_policy, block_size),
+                              state.metrics)
     state.engine.start()
-    if settings.engine_pid is not None:
-        app[ENGINE_SENTINEL] = asyncio.create_task(
-            watch_engine(settings.engine_pid, state.engine.engine_exited_with),
-            name="engine-sentinel",
-        )
-    logger.info("connected to the engine at %s / %s", settings.requests_addr, settings.outputs_addr)
+    app[ENGINE_SENTINELS] = [
+        asyncio.create_task(watch_engine(address.pid, client.engine_exited_with),
+                            name=f"engine-sentinel-{rank}")
+        for rank, (address, client) in enumerate(zip(settings.engines, clients, strict=True))
+        if address.pid is not None
+    ]
+    for rank, address in enumerate(settings.engines):
+        logger.info("connected to engine %d at %s / %s", rank, address.requests,
+                    address.outputs)
 
 
 async def _disconnect_engine(app: web.Application) -> None:
     state = app[STATE]
-    sentinel = app.get(ENGINE_SENTINEL)
-    if sentinel is not None:
+    sentinels = app.get(ENGINE_SENTINELS, [])
+    for sentinel in sentinels:
         sentinel.cancel()
-        await asyncio.gather(sentinel, return_exceptions=True)
+    await asyncio.gather(*sentinels, return_exceptions=True)
     if state.engine is not None:
         await state.engine.close()
         state.engine = None
@@ -94,7 +105,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.render()
+    state = request.app[STATE]
+    if state.engine is not None:
+        state.engine.refresh_metrics()
+    body = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

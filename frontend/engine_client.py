@@ -73,10 +73,18 @@ QueueItem = RequestOutput | RequestError | _Failure
 
 
 class EngineClient:
+    """`rank`: the engine's data-parallel rank (its label in the metrics). `restartable`:
+    launch.py restarts this engine when it dies (several engines), so a process that exited
+    comes back when a new one binds the addresses; with one engine, an exit is final."""
+
     def __init__(
-        self, requests_addr: str, outputs_addr: str, metrics: LoomMetrics | None = None
+        self, requests_addr: str, outputs_addr: str, metrics: LoomMetrics | None = None,
+        rank: int = 0, restartable: bool = False,
     ) -> None:
         self.metrics = metrics if metrics is not None else LoomMetrics()
+        self.rank = rank
+        self.restartable = restartable
+        self.restarts = 0  # processes that came back after this rank's engine exited
         self._context = zmq.asyncio.Context()
         # Sends are never awaited: an ABORT must go out from a `finally` of a cancelled
         # task or a closing generator, so the request socket is a plain socket used with
@@ -180,8 +188,9 @@ class EngineClient:
         """The engine process is gone (its sentinel fired): fail whatever is in flight."""
         if self.engine_exited:
             return
-        logger.error("engine process exited: %s", reason)
+        logger.error("engine %d process exited: %s", self.rank, reason)
         self.engine_exited = self.engine_dead = True
+        self.metrics.engine_gone(self.rank)
         await self._fail_in_flight_after_grace(reason)
 
     async def _read_outputs(self) -> None:
@@ -210,7 +219,7 @@ class EngineClient:
         if isinstance(message, StepOutputs):
             self.last_step = message.step
             self.last_stats = message.stats
-            self.metrics.observe_step(message.stats)
+            self.metrics.observe_step(message.stats, self.rank)
             for output in message.outputs:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:  # else: finished or aborted here, engine not yet told
@@ -231,12 +240,18 @@ class EngineClient:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
-                if self.engine_dead and not self.engine_exited:
-                    logger.info("engine reconnected")
+                if self.engine_dead and self.engine_exited and self.restartable:
+                    logger.info("engine %d is back (restarted)", self.rank)
+                    self.restarts += 1
+                    self.metrics.engine_restarts.labels(str(self.rank)).inc()
+                    self.engine_exited = self.engine_dead = False
+                elif self.engine_dead and not self.engine_exited:
+                    logger.info("engine %d reconnected", self.rank)
                     self.engine_dead = False
             elif event["event"] == zmq.EVENT_DISCONNECTED and not self.engine_exited:
-                logger.error("lost the connection to the engine")
+                logger.error("lost the connection to engine %d", self.rank)
                 self.engine_dead = True
+                self.metrics.engine_gone(self.rank)
                 await self._fail_in_flight_after_grace("the connection to the engine was lost")
 
     async def _fail_in_flight_after_grace(self, reason: str) -> None:

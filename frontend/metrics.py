@@ -33,30 +33,35 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1
 
 
 class RunningTotal:
-    """A counter that follows a total the engine keeps: it only ever moves forward."""
+    """A counter that follows totals the engines keep, each engine's own: it only ever moves
+    forward, by the sum of the engines' advances."""
 
-    def __init__(self, counter: Counter) -> None:
+    def __init__(self, counter: Counter, per_engine: bool = False) -> None:
         self._counter = counter
-        self._last = 0.0
+        self._per_engine = per_engine  # the counter has an `engine` label
+        self._last: dict[int, float] = {}
 
-    def advance_to(self, total: float) -> None:
+    def advance_to(self, total: float, engine: int = 0) -> None:
         if not math.isfinite(total):
             return
-        if total > self._last:
-            self._counter.inc(total - self._last)
+        last = self._last.get(engine, 0.0)
+        if total > last:
+            series = self._counter.labels(str(engine)) if self._per_engine else self._counter
+            series.inc(total - last)
         # A total below the last one would mean a restarted engine: the series must not
         # go back, so the new engine's counting continues from here.
-        self._last = total
+        self._last[engine] = total
 
 
 class LoomMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         gauge, counter, histogram = self._gauge, self._counter, self._histogram
-        self.num_requests_running = gauge("num_requests_running", "Requests the engine runs.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests the engine queues.")
+        self.num_requests_running = gauge("num_requests_running", "Requests the engines run.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests the engines queue.")
         self.kv_cache_usage_perc = gauge(
-            "kv_cache_usage_perc", "KV blocks in use, 0..1 (evictable cached blocks are free)."
+            "kv_cache_usage_perc",
+            "KV blocks in use, 0..1, mean over engines (evictable cached blocks are free).",
         )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens computed.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
@@ -108,9 +113,31 @@ class LoomMetrics:
             "request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS
         )
         self.step_time = histogram("step_time_seconds", "Engine step duration.", STEP_BUCKETS)
+        self.engines_live = gauge("engines_live", "Engines serving (data-parallel ranks).")
+        self.engine_restarts = counter("engine_restarts_total",
+                                       "Engines that came back after they died.", ["engine"])
+        # Per engine (data-parallel rank); the series above sum every engine's.
+        labels = ["engine"]
+        self.engine_running = self._gauge("engine_num_requests_running",
+                                          "Requests this engine runs.", labels)
+        self.engine_waiting = self._gauge("engine_num_requests_waiting",
+                                          "Requests this engine queues.", labels)
+        self.engine_kv_usage = self._gauge("engine_kv_cache_usage_perc",
+                                           "This engine's KV blocks in use, 0..1.", labels)
+        self.engine_prompt_tokens = counter("engine_prompt_tokens_total",
+                                            "Prompt tokens this engine computed.", labels)
+        self.engine_generation_tokens = counter("engine_generation_tokens_total",
+                                                "Tokens this engine generated.", labels)
+        self.engine_prefix_cache_queries = RunningTotal(counter(
+            "engine_prefix_cache_queries_total",
+            "Prompt tokens looked up in this engine's prefix cache.", labels), per_engine=True)
+        self.engine_prefix_cache_hits = RunningTotal(counter(
+            "engine_prefix_cache_hits_total",
+            "Prompt tokens found in this engine's prefix cache.", labels), per_engine=True)
+        self._engine_stats: dict[int, StepStats] = {}
 
-    def _gauge(self, name: str, documentation: str) -> Gauge:
-        return Gauge(PREFIX + name, documentation, registry=self.registry)
+    def _gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(PREFIX + name, documentation, labels, registry=self.registry)
 
     def _counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(PREFIX + name, documentation, labels, registry=self.registry)
@@ -118,19 +145,43 @@ class LoomMetrics:
     def _histogram(self, name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
         return Histogram(PREFIX + name, documentation, buckets=buckets, registry=self.registry)
 
-    def observe_step(self, stats: StepStats) -> None:
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        self.prompt_tokens.inc(max(stats.num_prompt_tokens, 0))
-        self.generation_tokens.inc(max(stats.num_generation_tokens, 0))
-        self.preemptions.advance_to(stats.num_preemptions_total)
-        self.prefix_cache_queries.advance_to(stats.prefix_cache_queries_total)
-        self.prefix_cache_hits.advance_to(stats.prefix_cache_hits_total)
-        self.kv_integrity_violations.advance_to(stats.kv_integrity_violations_total)
-        self.engine_bad_frames.advance_to(stats.bad_frames_total)
+    def observe_step(self, stats: StepStats, engine: int = 0) -> None:
+        """One engine's frame: its own series, and the sums over every engine's latest."""
+        self._engine_stats[engine] = stats
+        self._set_sums()
+        prompt_tokens = max(stats.num_prompt_tokens, 0)
+        generation_tokens = max(stats.num_generation_tokens, 0)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.preemptions.advance_to(stats.num_preemptions_total, engine)
+        self.prefix_cache_queries.advance_to(stats.prefix_cache_queries_total, engine)
+        self.prefix_cache_hits.advance_to(stats.prefix_cache_hits_total, engine)
+        self.kv_integrity_violations.advance_to(stats.kv_integrity_violations_total, engine)
+        self.engine_bad_frames.advance_to(stats.bad_frames_total, engine)
         if stats.step_time_s > 0:  # the frame sent on going idle is not a step
             self.step_time.observe(stats.step_time_s)
+        rank = str(engine)
+        self.engine_running.labels(rank).set(stats.num_running)
+        self.engine_waiting.labels(rank).set(stats.num_waiting)
+        self.engine_kv_usage.labels(rank).set(stats.kv_cache_usage)
+        self.engine_prompt_tokens.labels(rank).inc(prompt_tokens)
+        self.engine_generation_tokens.labels(rank).inc(generation_tokens)
+        self.engine_prefix_cache_queries.advance_to(stats.prefix_cache_queries_total, engine)
+        self.engine_prefix_cache_hits.advance_to(stats.prefix_cache_hits_total, engine)
+
+    def engine_gone(self, engine: int) -> None:
+        """A dead engine runs and queues nothing: the sums leave it out until it reports."""
+        self._engine_stats.pop(engine, None)
+        self._set_sums()
+        self.engine_running.labels(str(engine)).set(0)
+        self.engine_waiting.labels(str(engine)).set(0)
+
+    def _set_sums(self) -> None:
+        latest = self._engine_stats.values()
+        self.num_requests_running.set(sum(s.num_running for s in latest))
+        self.num_requests_waiting.set(sum(s.num_waiting for s in latest))
+        usage = [s.kv_cache_usage for s in latest]
+        self.kv_cache_usage_perc.set(sum(usage) / len(usage) if usage else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

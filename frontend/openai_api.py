@@ -110,7 +110,7 @@ async def _generate(
     response_format: ResponseFormat,
     arrival: float,
 ) -> web.StreamResponse:
-    engine, info = state.ready_engine()
+    engines, info = state.ready_engine()
     prompt_param = "messages" if isinstance(response_format, ChatFormat) else "prompt"
     if options.priority != 0 and not info.priority_scheduling:
         raise invalid_param("priority", "Request priorities need a server started with "
@@ -125,13 +125,17 @@ async def _generate(
     engine_requests = choice_requests(
         response_format.request_id, prompts, sampling, options.n, time.time(), options.priority
     )
+    try:
+        engine = engines.route(prompts)  # every prompt and choice of a request on one engine
+    except EngineUnavailableError as exc:
+        raise _engine_failure(exc) from exc
     generations = [
         Generation(engine, state.tokenizer.tokenizer, engine_request, options.stop,
                    info.eos_token_ids, arrival)
         for engine_request in engine_requests
     ]  # fmt: skip
     # No await between this check and the last ADD: the estimate cannot go stale.
-    state.admission.admit(engine, len(engine_requests))
+    state.admission.admit(engines, len(engine_requests))
     try:
         async with contextlib.AsyncExitStack() as running:
             for generation in generations:

@@ -11,30 +11,36 @@ from common.protocol import Ready
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS, Admission
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
 from frontend.drain import Drain
-from frontend.engine_client import EngineClient
+from frontend.engine_pool import EnginePool
 from frontend.errors import engine_unavailable, model_not_found
 from frontend.metrics import LoomMetrics
 from frontend.tokenization import TokenizerService
 
 
+@dataclass(frozen=True, slots=True)
+class EngineAddress:
+    requests: str  # ZeroMQ address of the engine's request socket (we connect)
+    outputs: str  # ... of its output socket
+    pid: int | None = None  # watched, so the engine's death is noticed at once
+
+
 @dataclass(slots=True)
 class FrontendSettings:
     served_model_name: str
-    requests_addr: str
-    outputs_addr: str
+    engines: list[EngineAddress]  # one per data-parallel rank, in rank order
     engine_info: Ready | None = None
     api_key: str | None = None  # None: the /v1 and tokenizer routes are open
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    engine_pid: int | None = None  # watched, so the engine's death is noticed at once
     tool_call_parser: str = "hermes"  # how tool calls are read out of replies
+    routing_policy: str = "cache_aware"  # frontend.router, with several engines
 
 
 @dataclass(slots=True)
 class ServerState:
     settings: FrontendSettings
     tokenizer: TokenizerService
-    engine: EngineClient | None = None  # created on startup, inside the event loop
+    engine: EnginePool | None = None  # created on startup, inside the event loop
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: LoomMetrics = field(default_factory=LoomMetrics)
     drain: Drain = field(default_factory=Drain)
@@ -51,7 +57,8 @@ class ServerState:
         if self.settings.engine_info is None:
             return "The engine has not reported its configuration."
         if self.engine is None or self.engine.engine_dead:
-            return "The engine is not running."
+            return ("The engine is not running." if len(self.settings.engines) == 1
+                    else "No engine is running.")
         return None
 
     def health_problem(self) -> str | None:
@@ -59,8 +66,8 @@ class ServerState:
             return "The server is shutting down."
         return self.unavailable_reason()
 
-    def ready_engine(self) -> tuple[EngineClient, Ready]:
-        """The engine client and its facts, or a 503 when there is no working engine.
+    def ready_engine(self) -> tuple[EnginePool, Ready]:
+        """The engines and their facts, or a 503 when no engine works.
 
         A request that arrived before a drain began still runs: the drain refuses only
         new ones."""

@@ -35,7 +35,7 @@ from common.protocol import (
 )
 from common.sockets import Endpoints, make_socket
 from frontend.app import create_app
-from frontend.state import FrontendSettings
+from frontend.state import EngineAddress, FrontendSettings
 
 MODEL_NAME = "fake-model"
 MAX_MODEL_LEN = 256
@@ -224,8 +224,7 @@ class FrontendHarness:
         self.engine = FakeEngine(self.endpoints, list(self.info.eos_token_ids))
         settings = FrontendSettings(
             MODEL_NAME,
-            self.endpoints.requests,
-            self.endpoints.outputs,
+            [EngineAddress(self.endpoints.requests, self.endpoints.outputs)],
             self.info if engine_info_known else None,
         )
         self.app = create_app(settings, tokenizer)

@@ -305,7 +305,7 @@ async def test_malformed_frame_is_dropped(harness: FrontendHarness) -> None:
     response = await post(harness, "/v1/completions", {"prompt": "Hi"})
     assert response.status == 200
     assert (await response.json())["choices"][0]["text"] == "Hi"
-    assert harness.app[STATE].engine.num_bad_frames == 2
+    assert harness.app[STATE].engine.clients[0].num_bad_frames == 2
 
 
 async def test_engine_refusal_is_400(harness: FrontendHarness) -> None:

@@ -21,21 +21,23 @@ from frontend.admission import Admission
 from frontend.app import create_app
 from frontend.errors import APIError
 from frontend.metrics import LoomMetrics
-from frontend.state import STATE, FrontendSettings
+from frontend.state import STATE, EngineAddress, FrontendSettings
 from tests.fake_engine import MODEL_NAME, FakeEngine, build_test_tokenizer, engine_info
 
 
 @contextlib.asynccontextmanager
-async def serving(**settings: Any) -> AsyncIterator[tuple[FakeEngine, TestClient]]:
-    """The real app, configured with `settings`, in front of a fake engine."""
+async def serving(engine_pid: int | None = None,
+                  **settings: Any) -> AsyncIterator[tuple[FakeEngine, TestClient]]:
+    """The real app, configured with `settings`, in front of a fake engine (whose process
+    the frontend takes `engine_pid` to be)."""
     tokenizer = build_test_tokenizer()
     info = engine_info(tokenizer)
     endpoints = Endpoints.private_ipc()
     engine = FakeEngine(endpoints, list(info.eos_token_ids))
     engine.reply = lambda request: tokenizer.encode(" word", add_special_tokens=False)
     engine.step_interval_s = 0.01
-    app = create_app(FrontendSettings(MODEL_NAME, endpoints.requests, endpoints.outputs, info,
-                                      **settings), tokenizer)
+    address = EngineAddress(endpoints.requests, endpoints.outputs, engine_pid)
+    app = create_app(FrontendSettings(MODEL_NAME, [address], info, **settings), tokenizer)
     client = TestClient(TestServer(app, host="127.0.0.1"))
     await engine.start()
     await client.start_server()
@@ -130,6 +132,8 @@ async def test_waiting_is_in_flight_minus_running() -> None:
         state = client.app[STATE]
         body = {"prompt": "Hi", "max_tokens": 50, "stream": True, "n": 3}
         response = await client.post("/v1/completions", json=body)
-        await engine.wait_for(lambda: state.engine.last_stats.num_running == 3)
-        assert state.engine.num_in_flight == 3 and state.engine.num_waiting_estimate == 0
+        (engine_client,) = state.engine.clients
+        await engine.wait_for(lambda: engine_client.last_stats.num_running == 3)
+        assert engine_client.num_in_flight == 3 and engine_client.num_waiting_estimate == 0
+        assert state.engine.num_waiting_estimate == 0
         response.close()

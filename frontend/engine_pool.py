@@ -1,0 +1,80 @@
+"""The engines behind one frontend: one EngineClient per data-parallel rank, and the router
+that picks one for each API request (all its prompts and n choices go to that engine, so
+an abort, a stream and a prefix all stay with one engine).
+
+With several engines, one engine's death fails only the requests in flight there: the
+others keep serving, and its client comes back when launch.py has restarted it (the new
+process binds the same addresses). With one engine nothing changes: its death fails every
+open stream and /health answers 503 until it is back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from frontend.engine_client import EngineClient, EngineDeadError
+from frontend.metrics import LoomMetrics
+from frontend.router import Router
+
+# vLLM's coordinator scores an engine as 4 x waiting + running.
+WAITING_WEIGHT = 4
+
+
+class EnginePool:
+    def __init__(self, clients: list[EngineClient], router: Router,
+                 metrics: LoomMetrics) -> None:
+        self.clients = clients
+        self.router = router
+        self.metrics = metrics
+        self._lives: dict[int, tuple[int, bool]] = {}  # rank: (restarts, dead) last seen
+
+    def start(self) -> None:
+        for client in self.clients:
+            client.start()
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    @property
+    def engine_dead(self) -> bool:
+        """No engine serves."""
+        return all(client.engine_dead for client in self.clients)
+
+    @property
+    def num_live(self) -> int:
+        return sum(not client.engine_dead for client in self.clients)
+
+    @property
+    def num_waiting_estimate(self) -> int:
+        return sum(client.num_waiting_estimate for client in self.clients
+                   if not client.engine_dead)
+
+    def fail_all(self, reason: str) -> None:
+        for client in self.clients:
+            client.fail_all(reason)
+
+    def load(self, client: EngineClient) -> float | None:
+        if client.engine_dead:
+            return None
+        return client.num_in_flight + (WAITING_WEIGHT - 1) * client.num_waiting_estimate
+
+    def route(self, prompts: Sequence[Sequence[int]]) -> EngineClient:
+        """The engine for one API request. Raises EngineDeadError when none serves."""
+        self._notice_deaths()
+        try:
+            rank = self.router.choose(prompts, [self.load(client) for client in self.clients])
+        except LookupError:
+            raise EngineDeadError("no engine is running") from None
+        return self.clients[rank]
+
+    def _notice_deaths(self) -> None:
+        """A dead or restarted engine holds no cached prefix: the router forgets its own."""
+        for rank, client in enumerate(self.clients):
+            life = (client.restarts, client.engine_dead)
+            if life != self._lives.get(rank, (0, False)):
+                self.router.prefixes.forget(rank)
+                self._lives[rank] = life
+
+    def refresh_metrics(self) -> None:
+        self.metrics.engines_live.set(self.num_live)
