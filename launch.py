@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 
 from common.config import EngineConfig, add_chat_args, add_engine_args
+from common.curve import SECRET_ENV, SecretMissing, load_secret
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
 from frontend.router import ROUTING_POLICIES
@@ -69,12 +70,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                         help="engine processes (replicas), each with its own KV cache and "
                              "its share of the CPU cores (or its own GPU), behind one frontend")
+    parser.add_argument("--data-parallel-size-local", type=int, default=None,
+                        help="engines this launch starts (default: all of them); the other "
+                             "ranks run on other hosts (--headless) and connect over tcp")
+    parser.add_argument("--data-parallel-start-rank", type=int, default=0,
+                        help="--headless: the rank of this host's first engine")
+    parser.add_argument("--data-parallel-address", default="127.0.0.1",
+                        help="the frontend host's address engines on other hosts connect to "
+                             "(the frontend listens there only for ranks not started here)")
+    parser.add_argument("--data-parallel-rpc-port", type=int, default=13345,
+                        help="rank R's engine links use ports PORT + 2R and PORT + 2R + 1")
+    parser.add_argument("--data-parallel-secret-file", default=None,
+                        help="the shared secret that authenticates tcp engine links (CURVE); "
+                             f"default: ${SECRET_ENV} (never a command-line value)")
+    parser.add_argument("--headless", action="store_true",
+                        help="start engines only, connecting to a frontend on another host")
     parser.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
                         help="how a request picks one of several engines: prefix affinity "
                              "within a load bound (cache_aware), least loaded, round robin")
     add_chat_args(parser)
     add_engine_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    size = args.data_parallel_size
+    if args.data_parallel_size_local is None:
+        args.data_parallel_size_local = size - args.data_parallel_start_rank
+    local, start = args.data_parallel_size_local, args.data_parallel_start_rank
+    if start < 0 or local < 0 or start + local > size:
+        parser.error(f"ranks {start}..{start + local - 1} are not among the "
+                     f"{size} of --data-parallel-size")
+    if args.headless and local == 0:
+        parser.error("--headless starts engines: give --data-parallel-size-local 1 or more")
+    if not args.headless and start != 0:
+        parser.error("--data-parallel-start-rank is for --headless engines")
+    return args
 
 
 def positive_int(text: str) -> int:
@@ -120,13 +148,26 @@ class EngineSlot:
 class Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        size = args.data_parallel_size
-        self.engines = [EngineSlot(rank, Endpoints.private_ipc(),
+        size, local = args.data_parallel_size, args.data_parallel_size_local
+        start = args.data_parallel_start_rank
+        ranks = range(start, start + local)
+        self.engines = [EngineSlot(rank, self._tcp(rank) if args.headless
+                                   else Endpoints.private_ipc(),
                                    "engine" if size == 1 else f"engine {rank}")
-                        for rank in range(size)]
+                        for rank in ranks]
+        # Ranks on other hosts (their engines connect to the frontend's tcp sockets).
+        self.remote = [] if args.headless else [self._tcp(rank) for rank in range(local, size)]
+        self.restarts_engines = size > 1 or args.headless
+        self.env = dict(os.environ)
+        if args.headless or self.remote:
+            self.env[SECRET_ENV] = load_secret(args.data_parallel_secret_file).decode()
         self.frontend: subprocess.Popen | None = None
         self.config: EngineConfig | None = None
         self.stopping = False
+
+    def _tcp(self, rank: int) -> Endpoints:
+        host, port = self.args.data_parallel_address, self.args.data_parallel_rpc_port
+        return Endpoints(f"tcp://{host}:{port + 2 * rank}", f"tcp://{host}:{port + 2 * rank + 1}")
 
     @property
     def children(self) -> dict[str, subprocess.Popen]:
@@ -135,13 +176,14 @@ class Launcher:
             named["frontend"] = self.frontend
         return named
 
-    def start_engines(self, config: EngineConfig) -> Ready:
-        """Every rank at once (each loads the model in parallel); their READYs in order."""
+    def start_engines(self, config: EngineConfig) -> Ready | None:
+        """Every local rank at once (each loads the model in parallel); the first's READY
+        (None when every engine runs on another host)."""
         self.config = config
         pipes = [self._spawn_engine(slot) for slot in self.engines]
         readies = [self._await_ready(slot, pipe) for slot, pipe in zip(self.engines, pipes,
                                                                        strict=True)]
-        return readies[0]
+        return readies[0] if readies else None
 
     def _spawn_engine(self, slot: EngineSlot) -> int:
         """Starts the rank's engine; returns the read end of its READY pipe."""
@@ -154,7 +196,8 @@ class Launcher:
                    "--data-parallel-rank", str(slot.rank)]
         cores = engine_cores(slot.rank, len(self.engines))
         slot.process = subprocess.Popen(
-            command, pass_fds=(write_fd,), env=engine_env(slot.rank, len(self.engines), cores),
+            command, pass_fds=(write_fd,),
+            env=engine_env(self.env, slot.rank, len(self.engines), cores),
             preexec_fn=lambda: _die_with_parent(cores))
         os.close(write_fd)
         return read_fd
@@ -186,17 +229,26 @@ class Launcher:
             raise ChildFailed(f"{name} closed its READY pipe without sending READY")
         return b"".join(chunks)
 
-    def start_frontend(self, model_dir: str, ready: Ready) -> None:
+    def start_frontend(self, model_dir: str, ready: Ready | None) -> None:
+        """`ready`: the first local engine's; None when all engines run on other hosts (the
+        frontend then learns what they serve from the first to connect)."""
         engine_flags = []
         for slot in self.engines:
             assert slot.process is not None
             engine_flags += ["--requests-addr", slot.endpoints.requests,
                              "--outputs-addr", slot.endpoints.outputs,
                              "--engine-pid", str(slot.process.pid)]
+        for endpoints in self.remote:
+            engine_flags += ["--requests-addr", endpoints.requests,
+                             "--outputs-addr", endpoints.outputs, "--engine-pid", "0"]
+        if ready is not None:
+            served_name = ready.model_name
+            engine_flags += ["--engine-info", json.dumps(asdict(ready))]
+        else:
+            served_name = self.args.served_model_name or model_dir.rstrip("/").split("/")[-1]
         command = [sys.executable, "-m", "frontend", "--host", self.args.host,
                    "--port", str(self.args.port), *engine_flags,
-                   "--model-dir", model_dir, "--served-model-name", ready.model_name,
-                   "--engine-info", json.dumps(asdict(ready)),
+                   "--model-dir", model_dir, "--served-model-name", served_name,
                    "--log-level", self.args.log_level,
                    "--shutdown-timeout", str(self.args.shutdown_timeout),
                    "--max-waiting-requests", str(self.args.max_waiting_requests),
@@ -206,7 +258,7 @@ class Launcher:
                    *(["--chat-template", self.args.chat_template]
                      if self.args.chat_template else [])]
         # The key travels in the environment: a command line is visible to every local user.
-        env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+        env = {name: value for name, value in self.env.items() if name != API_KEY_ENV}
         if self.args.api_key:
             env[API_KEY_ENV] = self.args.api_key
         self.frontend = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
@@ -219,6 +271,9 @@ class Launcher:
                 with urllib.request.urlopen(url, timeout=1) as response:
                     if response.status == 200:
                         return
+            except urllib.error.HTTPError:
+                if not self.engines:  # up; healthy once a remote engine joins
+                    return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.1)
@@ -235,12 +290,13 @@ class Launcher:
         """Raises StopRequested when asked to stop, ChildFailed when the frontend dies, when
         the one engine dies, or when, with several, no engine can be kept alive."""
         while True:
-            self._check_alive("frontend")
-            if len(self.engines) == 1:
-                self._check_alive("engine")
-            else:
-                for slot in self.engines:
+            if self.frontend is not None:
+                self._check_alive("frontend")
+            for slot in self.engines:
+                if self.restarts_engines:
                     self._keep_alive(slot)
+                else:
+                    self._check_alive(slot.name)
             time.sleep(0.2)
 
     def _keep_alive(self, slot: EngineSlot) -> None:
@@ -313,9 +369,10 @@ def engine_cores(rank: int, size: int) -> list[int] | None:
     return cores[rank * share:(rank + 1) * share]
 
 
-def engine_env(rank: int, size: int, cores: list[int] | None) -> dict[str, str]:
+def engine_env(base: dict[str, str], rank: int, size: int,
+               cores: list[int] | None) -> dict[str, str]:
     """Threads to match the cores; with several engines on GPUs, one GPU each."""
-    env = dict(os.environ)
+    env = dict(base)
     if cores is not None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(len(cores))
     if size > 1:
@@ -329,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from common.default_model import is_hub_id, resolve_model
 
-    launcher = Launcher(args)
+    try:
+        launcher = Launcher(args)
+    except (SecretMissing, OSError) as exc:
+        say(f"error: {exc}")
+        return 2
 
     def request_stop(signum: int, _frame) -> None:
         say(f"received {signal.Signals(signum).name}: stopping")
@@ -348,15 +409,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig.from_args(args, model_dir)
         ready = launcher.start_engines(config)
-        engines = "engine" if args.data_parallel_size == 1 \
-            else f"{args.data_parallel_size} engines"
-        say(f"{engines} ready in {time.monotonic() - started:.1f} s: {ready.model_name}, "
-            f"{ready.num_kv_blocks} KV blocks of {ready.block_size} tokens"
-            f"{' each' if args.data_parallel_size > 1 else ''}, "
-            f"max model len {ready.max_model_len}")
-        launcher.start_frontend(model_dir, ready)
-        say(f"serving {ready.model_name} at http://{args.host}:{args.port}/v1 "
-            f"(ready in {time.monotonic() - started:.1f} s)")
+        local = args.data_parallel_size_local
+        if ready is not None:
+            engines = "engine" if local == 1 else f"{local} engines"
+            say(f"{engines} ready in {time.monotonic() - started:.1f} s: {ready.model_name}, "
+                f"{ready.num_kv_blocks} KV blocks of {ready.block_size} tokens"
+                f"{' each' if local > 1 else ''}, max model len {ready.max_model_len}")
+        if args.headless:
+            say(f"headless: ranks {args.data_parallel_start_rank}.."
+                f"{args.data_parallel_start_rank + local - 1} connect to the frontend at "
+                f"{args.data_parallel_address}")
+        else:
+            launcher.start_frontend(model_dir, ready)
+            awaited = "" if ready is not None else "; waiting for engines on other hosts"
+            say(f"serving {ready.model_name if ready else model_dir} at "
+                f"http://{args.host}:{args.port}/v1 (ready in "
+                f"{time.monotonic() - started:.1f} s{awaited})")
         launcher.supervise()
     except StopRequested:
         pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -36,12 +37,21 @@ class Endpoints:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
-def make_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+def is_tcp(address: str) -> bool:
+    return address.startswith("tcp://")
+
+
+def make_socket(context: zmq.Context, kind: int, address: str, bind: bool,
+                secure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
+    """`secure` sets the socket's security options (common.curve) before it binds or
+    connects."""
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, LINGER_MS)
     socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
     socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
     socket.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
+    if secure is not None:
+        secure(socket)
     if bind:
         socket.bind(address)
     else:

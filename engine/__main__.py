@@ -9,7 +9,9 @@ import signal
 import sys
 
 from common.config import EngineConfig
+from common.curve import CurveKeys, load_secret
 from common.protocol import encode
+from common.sockets import is_tcp
 
 
 def main() -> int:
@@ -33,7 +35,10 @@ def main() -> int:
     from engine.server import EngineServer
 
     core = EngineCore(EngineConfig.from_json(args.config_json))
-    server = EngineServer(core, args.requests_addr, args.outputs_addr)
+    curve = None
+    if is_tcp(args.requests_addr) or is_tcp(args.outputs_addr):
+        curve = CurveKeys.derive(load_secret(None))  # the secret comes in the environment
+    server = EngineServer(core, args.requests_addr, args.outputs_addr, curve)
     if args.ready_fd is not None:
         with os.fdopen(args.ready_fd, "wb") as ready_pipe:
             ready_pipe.write(encode(core.ready_message))

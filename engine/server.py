@@ -6,7 +6,9 @@ import logging
 import os
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from common.curve import CurveKeys
 from common.protocol import (
     AbortRequests,
     AddRequest,
@@ -18,7 +20,7 @@ from common.protocol import (
     encode,
     refused_add_id,
 )
-from common.sockets import make_socket
+from common.sockets import is_tcp, make_socket
 from engine.core import EngineCore
 from engine.scheduler import RequestRefused
 from engine.stats_log import StatsLogger
@@ -26,15 +28,31 @@ from engine.stats_log import StatsLogger
 logger = logging.getLogger("loom.engine")
 
 IDLE_POLL_MS = 1000
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 GRAMMAR_POLL_MS = 2  # idle, but a constrained request waits for its grammar build
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, requests_addr: str, outputs_addr: str) -> None:
+    """Binds its sockets for a frontend on this host (ipc). An engine on another host
+    (tcp, `launch.py --headless`) connects to the frontend instead, as a CURVE client of
+    `curve`'s keys, and sends its READY each time the link comes up."""
+
+    def __init__(self, core: EngineCore, requests_addr: str, outputs_addr: str,
+                 curve: CurveKeys | None = None) -> None:
         self.core = core
         self.context = zmq.Context()
-        self.requests = make_socket(self.context, zmq.PULL, requests_addr, bind=True)
-        self.outputs = make_socket(self.context, zmq.PUSH, outputs_addr, bind=True)
+        remote = is_tcp(requests_addr) or is_tcp(outputs_addr)
+        if remote and curve is None:
+            raise ValueError("an engine on tcp needs CURVE keys (common.curve)")
+        secure = curve.secure_client if remote and curve is not None else None
+        self.requests = make_socket(self.context, zmq.PULL, requests_addr, bind=not remote,
+                                    secure=secure)
+        self.outputs = make_socket(self.context, zmq.PUSH, outputs_addr, bind=not remote,
+                                   secure=secure)
+        self.link_events = self.outputs.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILURES) if remote else None
+        self.refusals = 0  # failed handshakes with the frontend (logged on the first)
         self.stats_logger = StatsLogger()
         self.num_bad_frames = 0
         self.parent_pid = os.getppid()
@@ -51,8 +69,10 @@ class EngineServer:
                     waiting = self.core.num_awaiting_grammar
                     if not self.requests.poll(GRAMMAR_POLL_MS if waiting else IDLE_POLL_MS):
                         self._stop_if_orphaned()
+                        self._announce_on_new_links()
                         self._admit_constrained()
                         continue
+                self._announce_on_new_links()
                 self._drain_requests()
                 self._admit_constrained()
                 if self.running and self.core.has_work:
@@ -75,6 +95,23 @@ class EngineServer:
         idle = self.core.idle_outputs()
         idle.stats.bad_frames_total = self.num_bad_frames
         self.outputs.send(encode(idle))
+
+    def _announce_on_new_links(self) -> None:
+        """On a link to a frontend on another host: READY whenever the link (re)connects."""
+        if self.link_events is None:
+            return
+        while self.link_events.poll(0):
+            event = parse_monitor_message(self.link_events.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                logger.info("connected to the frontend at %s", event["endpoint"].decode())
+                self.refusals = 0
+                self.outputs.send(encode(self.core.ready_message))
+            else:
+                self.refusals += 1
+                if self.refusals == 1:  # it retries every 100 ms: once is enough
+                    logger.error("the frontend at %s refused this engine: the link failed "
+                                 "its CURVE handshake (a different shared secret?)",
+                                 event["endpoint"].decode())
 
     def _stop_if_orphaned(self) -> None:
         if os.getppid() != self.parent_pid:
@@ -116,6 +153,9 @@ class EngineServer:
             logger.warning("dropped a %s frame: not a frontend message", type(message).__name__)
 
     def close(self) -> None:
+        if self.link_events is not None:
+            self.outputs.disable_monitor()
+            self.link_events.close(linger=0)
         self.requests.close(linger=0)
         self.outputs.close()
         self.context.term()

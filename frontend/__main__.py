@@ -110,8 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_addresses(args: argparse.Namespace) -> list[EngineAddress]:
-    pids = args.engine_pid or [None] * len(args.requests_addr)
-    return [EngineAddress(requests, outputs, pid) for requests, outputs, pid
+    pids = args.engine_pid or [0] * len(args.requests_addr)  # 0: not watched (remote)
+    return [EngineAddress(requests, outputs, pid or None) for requests, outputs, pid
             in zip(args.requests_addr, args.outputs_addr, pids, strict=True)]
 
 

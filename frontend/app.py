@@ -10,6 +10,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from common.curve import CurveKeys, load_secret
+from common.sockets import is_tcp
 from frontend.auth import api_key_middleware
 from frontend.body_limit import body_limit_middleware
 from frontend.engine_client import EngineClient
@@ -52,8 +54,10 @@ async def _connect_engine(app: web.Application) -> None:
     state = app[STATE]
     settings = state.settings
     several = len(settings.engines) > 1
+    remote = any(is_tcp(address.requests) for address in settings.engines)
+    curve = CurveKeys.derive(load_secret(None)) if remote else None  # from the environment
     clients = [EngineClient(address.requests, address.outputs, state.metrics, rank=rank,
-                            restartable=several)
+                            restartable=several, curve=curve, expected=settings.engine_info)
                for rank, address in enumerate(settings.engines)]
     block_size = settings.engine_info.block_size if settings.engine_info else 16
     state.engine = EnginePool(clients, Router(settings.routing_policy, block_size),
@@ -90,7 +94,7 @@ async def list_models(request: web.Request) -> web.Response:
         "created": state.created,
         "owned_by": "loom",
     }
-    info = state.settings.engine_info
+    info = state.engine_info
     if info is not None:
         model["root"] = info.model_name
         model["max_model_len"] = info.max_model_len

@@ -11,24 +11,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from common import protocol
+from common.curve import CurveKeys
 from common.protocol import (
     AbortRequests,
     AddRequest,
     FinishReason,
+    Ready,
     RequestError,
     RequestOutput,
     StepOutputs,
     StepStats,
 )
-from common.sockets import make_socket
+from common.sockets import is_tcp, make_socket
 from frontend.metrics import LoomMetrics
 
 logger = logging.getLogger("loom.frontend.engine")
@@ -39,6 +44,8 @@ DISCONNECT_GRACE_S = 0.2
 # Last ABORTs get this long to leave on close; an engine that is not reading must not
 # hold up the frontend's exit.
 SHUTDOWN_LINGER_MS = 200
+# A refused engine retries every 100 ms: one log line per this many seconds.
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class EngineUnavailableError(RuntimeError):
@@ -75,30 +82,51 @@ QueueItem = RequestOutput | RequestError | _Failure
 class EngineClient:
     """`rank`: the engine's data-parallel rank (its label in the metrics). `restartable`:
     launch.py restarts this engine when it dies (several engines), so a process that exited
-    comes back when a new one binds the addresses; with one engine, an exit is final."""
+    comes back when a new one binds the addresses; with one engine, an exit is final.
+
+    An engine on another host (tcp addresses) connects to us instead: we bind, as the CURVE
+    server of `curve`'s keys, and admit only engines whose key comes from the shared secret
+    (common.curve). It counts as serving from its READY frame until it disconnects."""
 
     def __init__(
         self, requests_addr: str, outputs_addr: str, metrics: LoomMetrics | None = None,
-        rank: int = 0, restartable: bool = False,
+        rank: int = 0, restartable: bool = False, curve: CurveKeys | None = None,
+        expected: Ready | None = None,
     ) -> None:
         self.metrics = metrics if metrics is not None else LoomMetrics()
         self.rank = rank
-        self.restartable = restartable
+        self.remote = is_tcp(requests_addr) or is_tcp(outputs_addr)
+        self.restartable = restartable or self.remote
         self.restarts = 0  # processes that came back after this rank's engine exited
+        self.ready: Ready | None = expected  # what the engine serves, once known
+        self._joined = False  # a remote engine has sent READY before
+        self._refusal_logged_at = -math.inf
         self._context = zmq.asyncio.Context()
         # Sends are never awaited: an ABORT must go out from a `finally` of a cancelled
         # task or a closing generator, so the request socket is a plain socket used with
         # NOBLOCK (its high-water mark is generous) on the same libzmq context.
         self._sync_context = zmq.Context.shadow(self._context.underlying)
-        self._requests = make_socket(self._sync_context, zmq.PUSH, requests_addr, bind=False)
-        self._outputs = make_socket(self._context, zmq.PULL, outputs_addr, bind=False)
+        secure = None
+        self._authenticator: AsyncioAuthenticator | None = None
+        if self.remote:
+            if curve is None:
+                raise ValueError(f"engine {rank} is on tcp: its link needs CURVE keys")
+            # The ZAP handler runs before any socket binds: no handshake goes unchecked.
+            self._authenticator = AsyncioAuthenticator(self._context)
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback("*", EngineKeyCheck(curve, rank))
+            secure = curve.secure_server
+        self._requests = make_socket(self._sync_context, zmq.PUSH, requests_addr,
+                                     bind=self.remote, secure=secure)
+        self._outputs = make_socket(self._context, zmq.PULL, outputs_addr, bind=self.remote,
+                                    secure=secure)
         self._monitor = self._outputs.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
         )
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
         self._tasks: list[asyncio.Task] = []
         self.num_bad_frames = 0
-        self.engine_dead = False
+        self.engine_dead = self.remote  # a remote engine serves from its READY on
         self.engine_exited = False  # the process is gone: no reconnect will revive it
         self._shutting_down: str | None = None  # set by fail_all: no new requests either
         self.last_stats = StepStats()
@@ -121,6 +149,8 @@ class EngineClient:
         self._monitor.close(linger=0)
         self._outputs.close(linger=0)
         self._requests.close(linger=SHUTDOWN_LINGER_MS)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
 
     @property
@@ -224,6 +254,8 @@ class EngineClient:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:  # else: finished or aborted here, engine not yet told
                     queue.put_nowait(output)
+        elif isinstance(message, Ready) and self.remote:
+            self._remote_ready(message)
         elif isinstance(message, RequestError):
             queue = self._queues.get(message.request_id)
             if queue is not None:
@@ -236,9 +268,42 @@ class EngineClient:
             self._count_bad_frame()
             logger.warning("dropped an unexpected %s frame from the engine", type(message).__name__)
 
+    def _remote_ready(self, ready: Ready) -> None:
+        """A remote engine announced itself: it serves if it serves the same model."""
+        expected = self.ready
+        if expected is not None and not same_model(expected, ready):
+            logger.error("engine %d serves %s (blocks of %d, vocab %d), not %s: ignored",
+                         self.rank, ready.model_name, ready.block_size, ready.vocab_size,
+                         expected.model_name)
+            return
+        if self.engine_dead:
+            if self._joined:
+                self.restarts += 1
+                self.metrics.engine_restarts.labels(str(self.rank)).inc()
+            logger.info("engine %d joined: %s", self.rank, ready.model_name)
+        self._joined = True
+        self.ready = ready
+        self.engine_dead = False
+
     async def _watch_connection(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] & HANDSHAKE_FAILURES:
+                now = time.monotonic()
+                if now - self._refusal_logged_at > REFUSAL_LOG_INTERVAL_S:  # it retries
+                    self._refusal_logged_at = now
+                    logger.error("refused an engine connection on %s: it failed the CURVE "
+                                 "handshake (not the shared secret's key)",
+                                 event["endpoint"].decode(errors="replace"))
+                continue
+            if self.remote:
+                if event["event"] == zmq.EVENT_DISCONNECTED and not self.engine_dead:
+                    logger.error("lost the connection to engine %d", self.rank)
+                    self.engine_dead = True
+                    self.metrics.engine_gone(self.rank)
+                    await self._fail_in_flight_after_grace(
+                        f"the connection to engine {self.rank} was lost")
+                continue
             if event["event"] == zmq.EVENT_CONNECTED:
                 if self.engine_dead and self.engine_exited and self.restartable:
                     logger.info("engine %d is back (restarted)", self.rank)
@@ -263,6 +328,30 @@ class EngineClient:
         failure = _Failure(EngineDeadError(f"The engine stopped: {reason}."), engine_gone=True)
         for queue in self._queues.values():
             queue.put_nowait(failure)
+
+
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def same_model(first: Ready, second: Ready) -> bool:
+    return (first.model_name, first.block_size, first.vocab_size, first.max_model_len) == (
+        second.model_name, second.block_size, second.vocab_size, second.max_model_len)
+
+
+class EngineKeyCheck:
+    """ZAP: a remote engine is admitted only with the client key of the shared secret."""
+
+    def __init__(self, curve: CurveKeys, rank: int) -> None:
+        self.allowed = curve.client_public
+        self.rank = rank
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key == self.allowed:
+            return True
+        logger.error("refused an engine for rank %d: its key is not the shared secret's",
+                     self.rank)
+        return False
 
 
 class RequestStream:

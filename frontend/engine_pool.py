@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.protocol import Ready
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.metrics import LoomMetrics
 from frontend.router import Router
@@ -75,6 +76,14 @@ class EnginePool:
             if life != self._lives.get(rank, (0, False)):
                 self.router.prefixes.forget(rank)
                 self._lives[rank] = life
+
+    def reported_info(self) -> Ready | None:
+        """The first READY a remote engine sent (the router then learns the block size)."""
+        for client in self.clients:
+            if client.ready is not None:
+                self.router.block_size = client.ready.block_size
+                return client.ready
+        return None
 
     def refresh_metrics(self) -> None:
         self.metrics.engines_live.set(self.num_live)

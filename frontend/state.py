@@ -53,8 +53,16 @@ class ServerState:
     def admission(self) -> Admission:
         return Admission(self.settings.max_waiting_requests)
 
+    @property
+    def engine_info(self) -> Ready | None:
+        """What the engines serve: from launch.py, else from the first remote engine's
+        READY (a frontend whose engines all run on other hosts)."""
+        if self.settings.engine_info is None and self.engine is not None:
+            self.settings.engine_info = self.engine.reported_info()
+        return self.settings.engine_info
+
     def unavailable_reason(self) -> str | None:
-        if self.settings.engine_info is None:
+        if self.engine_info is None:
             return "The engine has not reported its configuration."
         if self.engine is None or self.engine.engine_dead:
             return ("The engine is not running." if len(self.settings.engines) == 1

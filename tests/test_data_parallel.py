@@ -13,6 +13,7 @@ model behind one frontend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -48,6 +49,25 @@ def engine_pid(server: LaunchedServer, rank: int) -> int:
     raise LookupError(f"no engine of rank {rank}")
 
 
+def listening_tcp_ports(pids: list[int]) -> set[int]:
+    """TCP ports the processes `pids` listen on (any address)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def body(prompt: str, max_tokens: int) -> dict:
     return {"model": TINY_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True}
@@ -68,6 +88,9 @@ def session() -> aiohttp.ClientSession:
 
 async def test_two_engines_share_64_streams(tmp_path_factory: pytest.TempPathFactory) -> None:
     with start(tmp_path_factory) as server:
+        # Engines on this host talk over ipc: nothing but the HTTP port listens on tcp.
+        processes = [server.process.pid, *child_pids(server.process.pid)]
+        assert listening_tcp_ports(processes) == {server.port}
         url = server.base_url + "/v1/completions"
         async with session() as http:
             outcomes = await asyncio.gather(*(
