@@ -37,6 +37,7 @@ class EngineConfig:
     quantization: str = "auto"  # auto (a GGUF's own) | none | int8 | int4 | w8a8
     quantization_group_size: int = 32  # int4: input channels per scale and zero
     grammar_compile_timeout: float = 5.0  # seconds a structured-output grammar may take to build
+    tensor_parallel_size: int = 1  # ranks over torch.distributed (engine.tensor_parallel)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -59,6 +60,8 @@ class EngineConfig:
             raise ValueError("quantization_group_size must be positive")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be positive")
 
     @property
     def compiled(self) -> bool:
@@ -94,6 +97,7 @@ class EngineConfig:
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             grammar_compile_timeout=args.grammar_compile_timeout,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
 
 
@@ -131,6 +135,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "holds them")
     engine.add_argument("--quantization-group-size", type=int, default=32,
                         help="int4: input channels sharing one scale and zero (default 32)")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks one engine splits the model over (torch.distributed: gloo "
+                             "on CPU, each rank its share of the cores; NCCL on CUDA)")
     engine.add_argument("--grammar-compile-timeout", type=float, default=5.0,
                         help="seconds a structured-output grammar may take to compile before "
                              "its request fails (default 5)")

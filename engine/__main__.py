@@ -31,10 +31,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     # Heavy imports after argument parsing so `--help` stays instant.
-    from engine.core import EngineCore
+    from engine.core import EngineCore, choose_device
     from engine.server import EngineServer
+    from engine.tensor_parallel import keep_to_cores
 
-    core = EngineCore(EngineConfig.from_json(args.config_json))
+    config = EngineConfig.from_json(args.config_json)
+    if config.tensor_parallel_size > 1:  # rank 0 keeps to its share of the cores
+        keep_to_cores(0, config.tensor_parallel_size, choose_device(config.device))
+    core = EngineCore(config, log_level=args.log_level)
     curve = None
     if is_tcp(args.requests_addr) or is_tcp(args.outputs_addr):
         curve = CurveKeys.derive(load_secret(None))  # the secret comes in the environment

@@ -32,7 +32,15 @@ from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.quantized_linear import quantization_summary
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.scheduler import RequestRefused, Scheduler, StepTrace
+from engine.scheduler import RequestRefused, ScheduledChunk, Scheduler, StepTrace
+from engine.tensor_parallel import (
+    TPShard,
+    WorkerRanks,
+    broadcast_int,
+    dist_backend,
+    free_port,
+    init_group,
+)
 
 logger = logging.getLogger("loom.engine")
 
@@ -69,16 +77,20 @@ class EngineTotals:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, record_traces: bool = False,
-                 recorder: Recorder | Literal["auto"] | None = "auto") -> None:
+                 recorder: Recorder | Literal["auto"] | None = "auto",
+                 log_level: str = "INFO") -> None:
         """`recorder`: how decode graphs are recorded; "auto" records CUDA graphs on a GPU
-        unless --enforce-eager (tests on the CPU pass engine.cuda_graphs.EagerReplay)."""
+        unless --enforce-eager (tests on the CPU pass engine.cuda_graphs.EagerReplay).
+        With --tensor-parallel-size N this process is rank 0 and starts ranks 1..N-1."""
         self.config = config
         self.device = choose_device(config.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        self.workers = self._start_tensor_parallel(log_level)
+        shard = TPShard(0, config.tensor_parallel_size) if self.workers else None
         self.model = load_model(config.model, self.dtype, self.device,
                                 quantization=config.quantization,
-                                group_size=config.quantization_group_size)
+                                group_size=config.quantization_group_size, shard=shard)
         logger.info("weights: %.1f MiB (%s, %s); engine RSS %s", weight_bytes(self.model) / 2**20,
                     self.dtype, quantization_summary(self.model), _rss_text())
         model_config = self.model.config
@@ -91,11 +103,14 @@ class EngineCore:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.recorder = self._default_recorder() if recorder == "auto" else recorder
         num_blocks = self._num_kv_blocks()
+        if self.workers is not None:
+            broadcast_int(num_blocks)  # every rank holds as many blocks, for its heads
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = self._make_runner(num_blocks, self.recorder)
+        self.runner.tensor_parallel = self.workers is not None
         self.sampler = Sampler(self.device, config.seed)
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: dict[str, AwaitingGrammar] = {}
@@ -113,12 +128,35 @@ class EngineCore:
     @property
     def _bytes_per_block(self) -> int:
         model_config = self.model.config
-        return kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads,
+        return kv_bytes_per_block(model_config.num_hidden_layers, self.model.num_local_kv_heads,
                                   model_config.head_dim, self.config.block_size, self.dtype)
+
+    def _start_tensor_parallel(self, log_level: str) -> WorkerRanks | None:
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        port = free_port()
+        workers = WorkerRanks.spawn(self.config.to_json(), size, "127.0.0.1", port, log_level)
+        init_group(0, size, "127.0.0.1", port, self.device)
+        logger.info("tensor parallel: %d ranks (%s)", size, dist_backend())
+        return workers
+
+    def check_ranks(self) -> None:
+        """Raises RankDied when a tensor-parallel rank has exited."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
 
     def _default_recorder(self) -> Recorder | None:
         """CUDA graphs where the GPU path's attention (Triton) serves the model's shapes."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.config.tensor_parallel_size > 1:
+            logger.warning("no CUDA graphs with tensor parallelism yet: decode steps run eager")
             return None
         if not triton_supports(self.model.config.head_dim, self.config.block_size):
             logger.warning("no CUDA graphs: they need triton and power-of-two head dim and "
@@ -249,13 +287,14 @@ class EngineCore:
 
     def step(self) -> StepOutputs:
         started = time.perf_counter()
+        self.check_ranks()  # a step with a dead rank would wait on it
         self._share_cores_with_grammar_builds()
         scheduled = self.scheduler.schedule()
         requests: list[Request] = []
         token_ids: list[int] = []
         logprobs: list = []
         if not scheduled.is_empty:
-            sampling_chunks, logits = self.runner.execute(scheduled.chunks)
+            sampling_chunks, logits = self._execute(scheduled.chunks)
             requests = [chunk.request for chunk in sampling_chunks]
             if requests:  # a step of prefill chunks only samples nothing
                 result = self.sampler.sample(logits, requests, self.eos_token_ids)
@@ -275,6 +314,15 @@ class EngineCore:
         self._record(scheduled.trace, num_prompt_tokens, len(token_ids))
         stats = self._stats(num_prompt_tokens, len(token_ids), time.perf_counter() - started)
         return StepOutputs(step=scheduled.trace.step, outputs=outputs, stats=stats)
+
+    def _execute(self, chunks: list[ScheduledChunk],
+                 ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        try:
+            return self.runner.execute(chunks)
+        except RuntimeError as error:
+            if self.workers is not None:
+                self.workers.explain(error)  # RankDied when a tensor-parallel rank is gone
+            raise
 
     def _record(self, trace: StepTrace, num_prompt_tokens: int, num_generated: int) -> None:
         self.totals.num_steps += 1

@@ -16,6 +16,7 @@ from engine.gguf_weights import codes_only, float_tensors, keep_gguf_quantizatio
 from engine.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.quantized_linear import DEFAULT_GROUP_SIZE, attach_dense_copies, quantize_linears
+from engine.tensor_parallel import TPShard, shard_model
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -33,13 +34,15 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                quantization: str = "auto",
-               group_size: int = DEFAULT_GROUP_SIZE) -> LlamaForCausalLM:
+               group_size: int = DEFAULT_GROUP_SIZE,
+               shard: TPShard | None = None) -> LlamaForCausalLM:
     """The model on `device`, its linears quantized if asked (engine.quantized_linear), else
     prepacked where that pays (engine.linear). A directory standing for a GGUF file
     (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1/Q4_K linears as they are,
     except in fp32 (torch's int4 kernels are slow there). One that also holds safetensors
     (the default model) reads those whenever it does not keep the codes: the same floats,
-    read faster."""
+    read faster. With a tensor-parallel `shard`, the float weights are cut to this rank's
+    slices first (a GGUF's codes are not kept then)."""
     directory = Path(model_dir)
     hf_config = read_hf_config(directory)
     config = ModelConfig.from_hf(hf_config)
@@ -47,7 +50,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=dtype)
     source = gguf_source(directory)
-    keep_codes = source is not None and quantization == "auto" and dtype != torch.float32
+    keep_codes = (source is not None and quantization == "auto" and dtype != torch.float32
+                  and shard is None)
     if source is not None and (keep_codes or not any(directory.glob("*.safetensors"))):
         gguf_tensors = read_tensors(source)
         groups = kept_groups(gguf_tensors, hf_config) if keep_codes else {}
@@ -59,6 +63,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     _tie_or_check_lm_head(model, weights)
     model.load_state_dict(weights, strict=True, assign=True)
     model = model.to(device).eval().requires_grad_(False)
+    if shard is not None:
+        shard_model(model, shard)
     if keep_codes:
         attach_dense_copies(
             keep_gguf_quantization(model, gguf_tensors, groups, hf_config, dtype))

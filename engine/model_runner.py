@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from engine.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.cuda_graphs import DecodeGraphs, Recorder
 from engine.forward_context import forward_context
 from engine.scheduler import ScheduledChunk
+from engine.tensor_parallel import broadcast_step
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -57,6 +59,29 @@ class StepInputs:
     def is_decode_only(self) -> bool:
         return len(self.token_ids) == len(self.query_lens)
 
+    def pack(self) -> torch.Tensor:
+        """One int64 tensor, to broadcast to the other tensor-parallel ranks."""
+        width = max(map(len, self.block_tables), default=0)
+        tables = [block for table in self.block_tables
+                  for block in (*table, *[0] * (width - len(table)))]
+        header = [len(self.token_ids), len(self.query_lens), width, len(self.sample_rows)]
+        return torch.tensor([*header, *self.token_ids, *self.positions, *self.slot_mapping,
+                             *self.query_lens, *self.seq_lens, *tables, *self.sample_rows],
+                            dtype=torch.int64)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> StepInputs:
+        """`pack`'s inverse (the sampling chunks stay with rank 0). A block table comes back
+        padded with block 0, which attention never reads past the sequence's length."""
+        values = packed.tolist()
+        tokens, requests, width, samples = values[:4]
+        cuts = itertools.accumulate([4, tokens, tokens, tokens, requests, requests,
+                                     requests * width, samples])
+        parts = [values[start:end] for start, end in itertools.pairwise(cuts)]
+        token_ids, positions, slots, query_lens, seq_lens, tables, sample_rows = parts
+        return cls(token_ids, positions, slots, query_lens, seq_lens,
+                   [tables[i * width:(i + 1) * width] for i in range(requests)], sample_rows)
+
 
 class ModelRunner:
     """Runs steps over the paged KV cache. With a graph `recorder` (CUDA graphs, see
@@ -66,8 +91,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, compiled: bool = False,
                  recorder: Recorder | None = None, max_model_len: int = 0,
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, tensor_parallel: bool = False) -> None:
+        """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
+        others before running it (engine.tensor_parallel)."""
         self.model = model
+        self.tensor_parallel = tensor_parallel
         self.block_size = block_size
         self.device = device
         shape = model.kv_cache_shape(num_blocks + (recorder is not None), block_size)
@@ -102,6 +130,13 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Runs the step; returns the chunks that sample a token and their float32 logits."""
         inputs = StepInputs.gather(chunks, self.block_size)
+        if self.tensor_parallel:
+            broadcast_step(inputs.pack())
+        return inputs.sampling_chunks, self.run(inputs)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's forward; float32 logits of its sample rows."""
         graphs = self.graphs
         if graphs is not None and inputs.is_decode_only and graphs.serves(
                 len(inputs.token_ids), max(map(len, inputs.block_tables), default=0)):
@@ -110,10 +145,10 @@ class ModelRunner:
         else:
             hidden = self._run_eager(inputs)
         if not inputs.sample_rows:
-            return [], hidden.new_empty((0, 0), dtype=torch.float32)
+            return hidden.new_empty((0, 0), dtype=torch.float32)
         if len(inputs.sample_rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, int_tensor(inputs.sample_rows, self.device))
-        return inputs.sampling_chunks, self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         metadata = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens,

@@ -114,6 +114,7 @@ class EngineServer:
                                  event["endpoint"].decode())
 
     def _stop_if_orphaned(self) -> None:
+        self.core.check_ranks()  # a dead tensor-parallel rank ends this engine too
         if os.getppid() != self.parent_pid:
             logger.error("parent process %d is gone: stopping", self.parent_pid)
             self.running = False
@@ -159,3 +160,4 @@ class EngineServer:
         self.requests.close(linger=0)
         self.outputs.close()
         self.context.term()
+        self.core.shutdown()

@@ -354,8 +354,13 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this process holds: all of them, or its share under tensor parallelism."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        return (num_blocks, self.config.num_key_value_heads, block_size, self.config.head_dim)
+        return (num_blocks, self.num_local_kv_heads, block_size, self.config.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

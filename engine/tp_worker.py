@@ -1,0 +1,61 @@
+"""A tensor-parallel rank other than 0: `python -m engine.tp_worker --rank R --size N ...`,
+started by the engine process (rank 0, engine.tensor_parallel.WorkerRanks).
+
+It loads its slices of the model, allocates the KV cache for its heads (as many blocks as
+rank 0 says), then runs every step rank 0 broadcasts, taking part in each collective, until
+rank 0 says stop. It never schedules nor samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from common.config import EngineConfig
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.tp_worker")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(message)s")
+    logger = logging.getLogger("loom.engine")
+
+    from engine.core import choose_device
+    from engine.loader import choose_dtype, load_model
+    from engine.model_runner import ModelRunner, StepInputs
+    from engine.tensor_parallel import (
+        TPShard,
+        broadcast_int,
+        init_group,
+        keep_to_cores,
+        receive_step,
+    )
+
+    config = EngineConfig.from_json(args.config_json)
+    device = choose_device(config.device)
+    dtype = choose_dtype(config.dtype, device)
+    keep_to_cores(args.rank, args.size, device)
+    init_group(args.rank, args.size, args.master_addr, args.master_port, device)
+    model = load_model(config.model, dtype, device, quantization=config.quantization,
+                       group_size=config.quantization_group_size,
+                       shard=TPShard(args.rank, args.size))
+    num_blocks = broadcast_int()
+    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
+    logger.info("ready: %d of %d KV heads, %d KV blocks", model.num_local_kv_heads,
+                model.config.num_key_value_heads, num_blocks)
+    while (packed := receive_step()) is not None:
+        runner.run(StepInputs.unpack(packed))
+    logger.info("stopped by rank 0")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
