@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--headless starts engines: give --data-parallel-size-local 1 or more")
     if not args.headless and start != 0:
         parser.error("--data-parallel-start-rank is for --headless engines")
+    if args.node_rank > 0 and not args.headless:
+        parser.error("--node-rank above 0 runs tensor-parallel ranks only: add --headless")
     return args
 
 
@@ -382,10 +384,45 @@ def engine_env(base: dict[str, str], rank: int, size: int,
     return env
 
 
+def serve_tensor_parallel_ranks(args: argparse.Namespace, model_dir: str) -> int:
+    """A node other than 0 of a tensor-parallel engine: its ranks join node 0's rendezvous
+    and run until the engine stops them (exit 0) or the group breaks (non-zero)."""
+    from engine.tensor_parallel import WorkerRanks, rank_layout
+
+    try:
+        config = EngineConfig.from_args(args, model_dir)
+    except ValueError as exc:
+        say(f"error: {exc}")
+        return 2
+    layout = rank_layout(config)
+    workers = WorkerRanks.spawn(config.to_json(), layout, config.master_addr,
+                                config.master_port or 0, args.log_level)
+    say(f"tensor-parallel ranks {layout.node_ranks.start}..{layout.node_ranks.stop - 1} "
+        f"joining {config.master_addr}:{config.master_port}")
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    while not stopping and all(process.poll() is None for process in workers.processes):
+        time.sleep(0.2)
+    for process in workers.processes:
+        if process.poll() is None:
+            process.terminate()
+    codes = [process.wait() for process in workers.processes]
+    say(f"tensor-parallel ranks stopped: exit codes {codes}")
+    return 0 if stopping or not any(codes) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from common.default_model import is_hub_id, resolve_model
 
+    if args.headless and args.node_rank > 0:
+        try:
+            model_dir = resolve_model(args.model, progress=say)
+        except ValueError as exc:
+            say(f"error: {exc}")
+            return 2
+        return serve_tensor_parallel_ranks(args, model_dir)
     try:
         launcher = Launcher(args)
     except (SecretMissing, OSError) as exc:

@@ -38,6 +38,10 @@ class EngineConfig:
     quantization_group_size: int = 32  # int4: input channels per scale and zero
     grammar_compile_timeout: float = 5.0  # seconds a structured-output grammar may take to build
     tensor_parallel_size: int = 1  # ranks over torch.distributed (engine.tensor_parallel)
+    nnodes: int = 1  # hosts the tensor-parallel ranks span, as many ranks on each
+    node_rank: int = 0  # this host's index among them (0: the engine's)
+    master_addr: str = "127.0.0.1"  # torch.distributed's TCP rendezvous (node 0's address)
+    master_port: int | None = None  # None: a free port (one host only)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -62,6 +66,13 @@ class EngineConfig:
             raise ValueError("grammar_compile_timeout must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be positive")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"{self.tensor_parallel_size} tensor-parallel ranks do not split "
+                             f"evenly over {self.nnodes} nodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is not among {self.nnodes} nodes")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("ranks on several nodes need --master-addr and --master-port")
 
     @property
     def compiled(self) -> bool:
@@ -98,6 +109,10 @@ class EngineConfig:
             quantization_group_size=args.quantization_group_size,
             grammar_compile_timeout=args.grammar_compile_timeout,
             tensor_parallel_size=args.tensor_parallel_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
         )
 
 
@@ -138,6 +153,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks one engine splits the model over (torch.distributed: gloo "
                              "on CPU, each rank its share of the cores; NCCL on CUDA)")
+    engine.add_argument("--nnodes", type=int, default=1,
+                        help="hosts the tensor-parallel ranks span (each runs as many)")
+    engine.add_argument("--node-rank", type=int, default=0,
+                        help="this host's index: 0 runs the engine, others run "
+                             "`launch.py --headless` with their ranks")
+    engine.add_argument("--master-addr", default="127.0.0.1",
+                        help="node 0's address for torch.distributed's TCP rendezvous "
+                             "(unauthenticated: a trusted network only)")
+    engine.add_argument("--master-port", type=int, default=None,
+                        help="its port (default: a free one, on one host only)")
     engine.add_argument("--grammar-compile-timeout", type=float, default=5.0,
                         help="seconds a structured-output grammar may take to compile before "
                              "its request fails (default 5)")

@@ -33,11 +33,11 @@ def main() -> int:
     # Heavy imports after argument parsing so `--help` stays instant.
     from engine.core import EngineCore, choose_device
     from engine.server import EngineServer
-    from engine.tensor_parallel import keep_to_cores
+    from engine.tensor_parallel import keep_to_cores, rank_layout
 
     config = EngineConfig.from_json(args.config_json)
     if config.tensor_parallel_size > 1:  # rank 0 keeps to its share of the cores
-        keep_to_cores(0, config.tensor_parallel_size, choose_device(config.device))
+        keep_to_cores(0, rank_layout(config), choose_device(config.device))
     core = EngineCore(config, log_level=args.log_level)
     curve = None
     if is_tcp(args.requests_addr) or is_tcp(args.outputs_addr):

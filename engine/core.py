@@ -40,6 +40,7 @@ from engine.tensor_parallel import (
     dist_backend,
     free_port,
     init_group,
+    rank_layout,
 )
 
 logger = logging.getLogger("loom.engine")
@@ -132,12 +133,14 @@ class EngineCore:
                                   model_config.head_dim, self.config.block_size, self.dtype)
 
     def _start_tensor_parallel(self, log_level: str) -> WorkerRanks | None:
-        size = self.config.tensor_parallel_size
+        config = self.config
+        size = config.tensor_parallel_size
         if size == 1:
             return None
-        port = free_port()
-        workers = WorkerRanks.spawn(self.config.to_json(), size, "127.0.0.1", port, log_level)
-        init_group(0, size, "127.0.0.1", port, self.device)
+        port = config.master_port or free_port()
+        workers = WorkerRanks.spawn(config.to_json(), rank_layout(config), config.master_addr,
+                                    port, log_level)
+        init_group(0, size, config.master_addr, port, self.device)
         logger.info("tensor parallel: %d ranks (%s)", size, dist_backend())
         return workers
 

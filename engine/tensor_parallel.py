@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from common.config import EngineConfig
+
 # A collective of a step that waits longer than this for a rank fails instead of hanging.
 # (A rank that dies closes its connections: the others fail at once, not at the timeout.)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -230,31 +232,57 @@ class RankDied(RuntimeError):
     """A tensor-parallel rank exited: the engine cannot run another step."""
 
 
+@dataclass(frozen=True, slots=True)
+class RankLayout:
+    """Where the ranks run: `nnodes` hosts with as many ranks each, node 0 first."""
+
+    size: int
+    nnodes: int
+    node_rank: int
+
+    @property
+    def per_node(self) -> int:
+        return self.size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+    def cores(self, rank: int) -> list[int] | None:
+        return rank_cores(rank % self.per_node, self.per_node)
+
+
+def rank_layout(config: EngineConfig) -> RankLayout:
+    return RankLayout(config.tensor_parallel_size, config.nnodes, config.node_rank)
+
+
 @dataclass
 class WorkerRanks:
-    """Ranks 1..size-1 of this engine, as processes of ours (engine.tp_worker)."""
+    """This host's ranks other than 0, as processes of ours (engine.tp_worker)."""
 
+    ranks: list[int]
     processes: list[subprocess.Popen]
 
     @classmethod
-    def spawn(cls, config_json: str, size: int, master_addr: str, master_port: int,
+    def spawn(cls, config_json: str, layout: RankLayout, master_addr: str, master_port: int,
               log_level: str) -> WorkerRanks:
+        ranks = [rank for rank in layout.node_ranks if rank != 0]
         processes = []
-        for rank in range(1, size):
-            cores = rank_cores(rank, size)
+        for rank in ranks:
+            cores = layout.cores(rank)
             env = dict(os.environ)
             if cores is not None and "OMP_NUM_THREADS" not in os.environ:
                 env["OMP_NUM_THREADS"] = str(len(cores))
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "engine.tp_worker", "--config-json", config_json,
-                 "--rank", str(rank), "--size", str(size), "--master-addr", master_addr,
-                 "--master-port", str(master_port), "--log-level", log_level],
+                 "--rank", str(rank), "--size", str(layout.size), "--master-addr",
+                 master_addr, "--master-port", str(master_port), "--log-level", log_level],
                 env=env, preexec_fn=lambda cores=cores: die_with_parent(cores)))
-        return cls(processes)
+        return cls(ranks, processes)
 
     def check(self) -> None:
         """Raises RankDied when a rank has exited."""
-        for rank, process in enumerate(self.processes, start=1):
+        for rank, process in zip(self.ranks, self.processes, strict=True):
             if process.poll() is not None:
                 raise RankDied(f"tensor-parallel rank {rank} exited with code "
                                f"{process.returncode}")
@@ -291,9 +319,9 @@ def die_with_parent(cores: list[int] | None) -> None:
         os.sched_setaffinity(0, cores)
 
 
-def keep_to_cores(rank: int, size: int, device: torch.device) -> None:
-    """On the CPU, this rank runs on its slice of the cores, one thread each."""
-    cores = rank_cores(rank, size)
+def keep_to_cores(rank: int, layout: RankLayout, device: torch.device) -> None:
+    """On the CPU, this rank runs on its slice of the host's cores, one thread each."""
+    cores = layout.cores(rank)
     if device.type == "cpu" and cores is not None:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))

@@ -36,13 +36,14 @@ def main() -> int:
         broadcast_int,
         init_group,
         keep_to_cores,
+        rank_layout,
         receive_step,
     )
 
     config = EngineConfig.from_json(args.config_json)
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
-    keep_to_cores(args.rank, args.size, device)
+    keep_to_cores(args.rank, rank_layout(config), device)
     init_group(args.rank, args.size, args.master_addr, args.master_port, device)
     model = load_model(config.model, dtype, device, quantization=config.quantization,
                        group_size=config.quantization_group_size,

@@ -15,6 +15,8 @@ import asyncio
 import itertools
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -25,13 +27,14 @@ from bench.launched import child_pids, command_line
 from bench.soak import StreamOutcome, stream_one
 from common.default_model import resolve_model
 from engine.model_runner import StepInputs
-from engine.tensor_parallel import TPShard
+from engine.tensor_parallel import TPShard, free_port
 from tests.engine_helpers import greedy_request, make_core, run_to_completion
 from tests.launched_server import LaunchedServer
 from tests.model_fixtures import build_tiny_llama_dir
 from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model, tiny_server
 
 LOGIT_TOLERANCE = 1e-4
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_spans_cover_everything_once() -> None:
@@ -154,3 +157,37 @@ async def test_a_dead_rank_fails_the_server_cleanly(
     finally:
         server.stop()
     assert not child_pids(server.process.pid)
+
+
+@pytest.mark.e2e
+async def test_ranks_on_two_nodes_join_through_the_rendezvous(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Node 1 (`launch.py --headless --node-rank 1`) runs rank 1; node 0 runs the engine and
+    rank 0; both on this host, joined through --master-addr/--master-port."""
+    model = shared_tiny_model(tmp_path_factory)
+    logs = tmp_path_factory.mktemp("logs")
+    port = str(free_port())
+    tp = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+          "--master-port", port, "--num-kv-blocks", "256"]
+    body = {"model": TINY_MODEL_NAME, "prompt": "One, two, three", "max_tokens": 8,
+            "temperature": 0}
+    answers = []
+    with open(logs / "node1.log", "wb") as node1_log:
+        node1 = subprocess.Popen(
+            [sys.executable, "launch.py", "--model", model, "--dtype", "float32", "--headless",
+             "--node-rank", "1", *tp], cwd=REPO, stdout=node1_log, stderr=subprocess.STDOUT)
+        try:
+            for server in (tiny_server(model, *tp, "--node-rank", "0"), tiny_server(model)):
+                with server.start(logs):
+                    async with aiohttp.ClientSession() as http, http.post(
+                            server.base_url + "/v1/completions", json=body) as response:
+                        assert response.status == 200
+                        answers.append((await response.json())["choices"][0]["text"])
+                if len(answers) == 1:  # node 0 stopped: node 1's rank is told to stop too
+                    assert await asyncio.to_thread(node1.wait, 30) == 0
+        finally:
+            if node1.poll() is None:
+                node1.kill()
+                node1.wait()
+    assert "ranks 1..1 joining 127.0.0.1" in (logs / "node1.log").read_text()
+    assert answers[0] == answers[1] and answers[0]
