@@ -302,6 +302,8 @@ class WorkerRanks:
         with contextlib.suppress(RuntimeError):
             self.check()
             broadcast_step(None)
+            # Every rank has the stop before the group goes: its connections close abruptly.
+            dist.barrier(group=host_group())
         for process in self.processes:
             try:
                 process.wait(timeout=5)

@@ -28,12 +28,15 @@ def main() -> int:
                         format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(message)s")
     logger = logging.getLogger("loom.engine")
 
+    import torch.distributed as dist
+
     from engine.core import choose_device
     from engine.loader import choose_dtype, load_model
     from engine.model_runner import ModelRunner, StepInputs
     from engine.tensor_parallel import (
         TPShard,
         broadcast_int,
+        host_group,
         init_group,
         keep_to_cores,
         rank_layout,
@@ -54,6 +57,8 @@ def main() -> int:
                 model.config.num_key_value_heads, num_blocks)
     while (packed := receive_step()) is not None:
         runner.run(StepInputs.unpack(packed))
+    dist.barrier(group=host_group())  # rank 0 waits for this before closing the group
+    dist.destroy_process_group()
     logger.info("stopped by rank 0")
     return 0
 
