@@ -2,7 +2,7 @@
 optionally, one prefill step, in each forward mode.
 
     python -m bench.profile_step [--model DIR] [--dtype auto] [--batch 1,64] [--context 128]
-        [--prefill 2048] [--steps 20] [--modes eager,compiled]
+        [--prefill 2048] [--steps 20] [--modes eager,compiled] [--tensor-parallel-size 2]
 
 The engine runs in-process (`EngineCore.step`: scheduler, runner, forward, sampler). Wall time
 is the median of unprofiled steps; the op classes come from a torch.profiler run of the same
@@ -46,9 +46,10 @@ from engine import (
 )
 from engine.core import EngineCore
 from engine.loader import cpu_flags
+from engine.tensor_parallel import keep_to_cores, rank_layout
 
 CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
-           "Python/other")
+           "collectives", "Python/other")
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
                       "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::_int_mm",
                       "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"})
@@ -118,6 +119,8 @@ def classify(event: FunctionEvent) -> str:
         return "GEMM"
     if name in KV_WRITE_OPS:
         return "KV write"
+    if name.startswith(("c10d::", "gloo:", "nccl:")):  # tensor parallelism's, waits included
+        return "collectives"
     if name.startswith("loom::"):
         return "attention"
     for marker, op_class in FUSED_KERNEL_MARKERS:
@@ -218,7 +221,10 @@ def make_core(args: argparse.Namespace, mode: str, quantization: str) -> EngineC
         max_num_seqs=max(args.batch), enable_prefix_caching=False,
         max_num_batched_tokens=max(args.prefill or 0, 2048),
         compile=mode == "compiled", quantization=quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+    if args.tensor_parallel_size > 1:  # as the engine process does: rank 0 on its cores
+        keep_to_cores(0, rank_layout(config), torch.device("cpu"))
     return EngineCore(config)
 
 
@@ -236,6 +242,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="none",
                         help="comma-separated --quantization methods, each profiled eager")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks (this process is rank 0; its collectives' time, waits for "
+                             "the other ranks included, is the `collectives` column)")
     args = parser.parse_args()
     args.batch = [int(size) for size in args.batch.split(",") if size]
     rng = random.Random(args.seed)
@@ -255,9 +264,12 @@ def main() -> None:
             rows.append(prefill_profile(core, f"{name} prefill, {args.prefill} tokens",
                                         args.prefill, max(3, args.steps // 5), rng).row())
             print(rows[-1], file=sys.stderr, flush=True)
+        core.shutdown()
         del core
     flags = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    ranks = f" x {args.tensor_parallel_size} ranks" if args.tensor_parallel_size > 1 else ""
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+          f"{ranks}, "
           f"flags: {' '.join(flags) or 'unknown'}, torch {torch.__version__}, "
           f"dtype {args.dtype}, context {args.context} tokens; ms per step (share)\n")
     print("| step | wall ms | " + " | ".join(CLASSES) + " |")
