@@ -11,7 +11,6 @@ when none can be kept alive.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import select
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from common.config import EngineConfig, add_chat_args, add_engine_args
 from common.curve import SECRET_ENV, SecretMissing, load_secret
+from common.processes import core_slice, die_with_parent
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
 from frontend.router import ROUTING_POLICIES
@@ -118,17 +118,6 @@ def say(message: str) -> None:
     print(f"[launch] {message}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent(cores: list[int] | None = None) -> None:
-    """Children get SIGKILL if launch itself is killed, so nothing is ever orphaned; an
-    engine among several keeps to its `cores`."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    os.setpgrp()  # Ctrl-C reaches launch only; launch stops the children in order.
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
-
-
 def describe_exit(name: str, returncode: int) -> str:
     if returncode < 0:
         return f"{name} was killed by signal {signal.Signals(-returncode).name}"
@@ -196,11 +185,12 @@ class Launcher:
                    "--outputs-addr", slot.endpoints.outputs,
                    "--ready-fd", str(write_fd), "--log-level", self.args.log_level,
                    "--data-parallel-rank", str(slot.rank)]
-        cores = engine_cores(slot.rank, len(self.engines))
+        local, count = self.engines.index(slot), len(self.engines)
+        cores = core_slice(local, count) if count > 1 else None  # several: a slice each
         slot.process = subprocess.Popen(
             command, pass_fds=(write_fd,),
-            env=engine_env(self.env, slot.rank, len(self.engines), cores),
-            preexec_fn=lambda: _die_with_parent(cores))
+            env=engine_env(self.env, local, count, cores),
+            preexec_fn=lambda: die_with_parent(cores, own_group=True))
         os.close(write_fd)
         return read_fd
 
@@ -263,7 +253,8 @@ class Launcher:
         env = {name: value for name, value in self.env.items() if name != API_KEY_ENV}
         if self.args.api_key:
             env[API_KEY_ENV] = self.args.api_key
-        self.frontend = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        self.frontend = subprocess.Popen(command, env=env,
+                                         preexec_fn=lambda: die_with_parent(own_group=True))
         url = f"http://{self.args.host}:{self.args.port}/health"
         deadline = time.monotonic() + FRONTEND_READY_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -360,27 +351,17 @@ class Launcher:
             child.wait()
 
 
-def engine_cores(rank: int, size: int) -> list[int] | None:
-    """With several engines on the CPU, each its own slice of the cores launch may use."""
-    if size == 1:
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < size:
-        return None
-    share = len(cores) // size
-    return cores[rank * share:(rank + 1) * share]
-
-
-def engine_env(base: dict[str, str], rank: int, size: int,
+def engine_env(base: dict[str, str], local: int, count: int,
                cores: list[int] | None) -> dict[str, str]:
-    """Threads to match the cores; with several engines on GPUs, one GPU each."""
+    """Threads to match the cores; with several engines on this host's GPUs, one GPU each
+    (`local`: the engine's index among this host's `count`)."""
     env = dict(base)
     if cores is not None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(len(cores))
-    if size > 1:
+    if count > 1:
         visible = env.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(size)]
-        env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
+        devices = visible.split(",") if visible else [str(i) for i in range(count)]
+        env["CUDA_VISIBLE_DEVICES"] = devices[local % len(devices)]
     return env
 
 

@@ -39,16 +39,19 @@ def main() -> int:
     if config.tensor_parallel_size > 1:  # rank 0 keeps to its share of the cores
         keep_to_cores(0, rank_layout(config), choose_device(config.device))
     core = EngineCore(config, log_level=args.log_level)
-    curve = None
-    if is_tcp(args.requests_addr) or is_tcp(args.outputs_addr):
-        curve = CurveKeys.derive(load_secret(None))  # the secret comes in the environment
-    server = EngineServer(core, args.requests_addr, args.outputs_addr, curve)
-    if args.ready_fd is not None:
-        with os.fdopen(args.ready_fd, "wb") as ready_pipe:
-            ready_pipe.write(encode(core.ready_message))
-    logging.getLogger("loom.engine").info("ready: %s", core.ready_message)
-    core.grammars.preload()
-    server.serve_forever()
+    try:
+        curve = None
+        if is_tcp(args.requests_addr) or is_tcp(args.outputs_addr):
+            curve = CurveKeys.derive(load_secret(None))  # the secret comes in the environment
+        server = EngineServer(core, args.requests_addr, args.outputs_addr, curve)
+        if args.ready_fd is not None:
+            with os.fdopen(args.ready_fd, "wb") as ready_pipe:
+                ready_pipe.write(encode(core.ready_message))
+        logging.getLogger("loom.engine").info("ready: %s", core.ready_message)
+        core.grammars.preload()
+        server.serve_forever()
+    finally:  # SIGTERM may come at any point: tensor-parallel ranks are told to stop
+        core.shutdown()
     return 0
 
 

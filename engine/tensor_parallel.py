@@ -17,11 +17,10 @@ forward on their slices.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
+import logging
 import os
-import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import EngineConfig
+from common.processes import core_slice, die_with_parent
+
+logger = logging.getLogger("loom.engine")
 
 # A collective of a step that waits longer than this for a rank fails instead of hanging.
 # (A rank that dies closes its connections: the others fail at once, not at the timeout.)
@@ -249,7 +251,7 @@ class RankLayout:
         return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
 
     def cores(self, rank: int) -> list[int] | None:
-        return rank_cores(rank % self.per_node, self.per_node)
+        return core_slice(rank % self.per_node, self.per_node)
 
 
 def rank_layout(config: EngineConfig) -> RankLayout:
@@ -299,11 +301,13 @@ class WorkerRanks:
             time.sleep(0.01)
 
     def stop(self) -> None:
-        with contextlib.suppress(RuntimeError):
+        try:
             self.check()
             broadcast_step(None)
             # Every rank has the stop before the group goes: its connections close abruptly.
             dist.barrier(group=host_group())
+        except RuntimeError as exc:  # a rank is gone: the others see the group break
+            logger.warning("could not stop the other tensor-parallel ranks: %s", exc)
         for process in self.processes:
             try:
                 process.wait(timeout=5)
@@ -311,14 +315,6 @@ class WorkerRanks:
                 process.kill()
                 process.wait()
         dist.destroy_process_group()
-
-
-def die_with_parent(cores: list[int] | None) -> None:
-    """A rank gets SIGKILL when the engine process dies; it keeps to its cores."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
 
 
 def keep_to_cores(rank: int, layout: RankLayout, device: torch.device) -> None:
@@ -330,17 +326,6 @@ def keep_to_cores(rank: int, layout: RankLayout, device: torch.device) -> None:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def rank_cores(rank: int, size: int) -> list[int] | None:
-    """On the CPU, each rank its own slice of the cores this process may use."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < size:
-        return None
-    share = len(cores) // size
-    return cores[rank * share:(rank + 1) * share]
