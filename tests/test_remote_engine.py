@@ -4,7 +4,8 @@ shared secret (CURVE).
 
 - an engine holding the wrong secret is refused, and the frontend logs it; /health stays 503
   while it is the only engine;
-- an engine holding the right one joins, and a streaming request is served through it.
+- an engine holding the right one joins, and a streaming request is served through it;
+- killed, it is restarted by its host's launch.py and joins again, and serves again.
 
 The test makes the namespaces and the veth pair and removes them; where namespaces cannot be
 made (not root, no iproute2, no CAP_SYS_ADMIN) it skips, saying why. HTTP goes to the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from typing import IO
 
 import pytest
 
+from bench.launched import child_pids, command_line
 from tests.launched_server import LaunchedServer
 from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model
 
@@ -113,20 +116,22 @@ deadline = time.monotonic() + 120
 while health() != 200 and time.monotonic() < deadline:
     time.sleep(0.1)
 body = {"model": sys.argv[3], "prompt": "Hello from the other side", "max_tokens": 8,
-        "ignore_eos": True, "stream": True}
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-chunks, finish, done = 0, None, False
+tokens, finish, done = None, None, False
 with urllib.request.urlopen(request, timeout=60) as response:
     for line in response:
         line = line.decode().strip()
         if line == "data: [DONE]":
             done = True
         elif line.startswith("data: "):
-            choice = json.loads(line[6:])["choices"][0]
-            chunks += 1
-            finish = choice.get("finish_reason") or finish
-print(json.dumps({"health": health(), "chunks": chunks, "finish": finish, "done": done}))
+            event = json.loads(line[6:])
+            for choice in event["choices"]:
+                finish = choice.get("finish_reason") or finish
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+print(json.dumps({"health": health(), "tokens": tokens, "finish": finish, "done": done}))
 """
 
 
@@ -137,6 +142,14 @@ def client(spaces: Namespaces, server: LaunchedServer, wait_healthy: bool) -> di
         capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def engine_child(server: LaunchedServer) -> int:
+    """The `python -m engine` process of a headless launch.py."""
+    for pid in child_pids(server.process.pid):
+        if " -m engine " in command_line(pid):
+            return pid
+    raise LookupError("no engine process")
 
 
 def wait_for(predicate, timeout_s: float = 60.0) -> None:
@@ -167,4 +180,10 @@ def test_a_headless_engine_in_another_namespace_serves_and_a_wrong_key_is_refuse
         with engine.start(logs):
             answer = client(namespaces, frontend, wait_healthy=True)
             assert "engine 0 joined" in frontend.log
-    assert answer == {"health": 200, "chunks": 8, "finish": "length", "done": True}
+            # Its host's launch.py restarts a dead engine, which joins again.
+            os.kill(engine_child(engine), signal.SIGKILL)
+            wait_for(lambda: "lost the connection to engine 0" in frontend.log)
+            again = client(namespaces, frontend, wait_healthy=True)
+            assert frontend.log.count("engine 0 joined") == 2
+    assert answer == {"health": 200, "tokens": 8, "finish": "length", "done": True}
+    assert again == answer
