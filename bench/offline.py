@@ -142,10 +142,13 @@ def main() -> None:
     parser.add_argument("--modes", default="continuous,static,seqs1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--quantization", "-q", default="auto",
+                        help="as launch.py's flag: auto, none, int8, int4, w8a8")
     args = parser.parse_args()
     base = EngineConfig(model=resolve_model(args.model), dtype=args.dtype, device=args.device,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_prompts)
+                        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_prompts,
+                        quantization=args.quantization)
     vocab_size = read_hf_config(Path(base.model))["vocab_size"]
     runs: dict[str, list[ModeResult]] = {mode: [] for mode in args.modes.split(",")}
     for repeat in range(args.repeats):  # round-robin, so drift on a shared machine hits all
