@@ -7,6 +7,7 @@ model behind one frontend.
 - kill -9 of one engine under load fails only its streams (error events), the others
   complete, new requests succeed at once, /health stays 200, and launch restarts the engine,
   which serves again;
+- clients that hang up abort their requests on whichever engine serves them;
 - no engine leaks a KV block (each one's usage back to 0, no integrity violation).
 """
 
@@ -102,6 +103,24 @@ async def test_two_engines_share_64_streams(tmp_path_factory: pytest.TempPathFac
     assert sum(served.values()) == 64 * 16
     assert min(served.values()) >= 8 * 16, served  # the work is split, not all on one
     assert samples["loom:engines_live"] == 2
+    assert_no_leaks(samples)
+
+
+async def test_clients_hanging_up_abort_on_whichever_engine_serves_them(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    with start(tmp_path_factory) as server:
+        url = server.base_url + "/v1/completions"
+        async with session() as http:
+            cut = await asyncio.gather(*(
+                stream_one(http, url, body(f"Hang up on request {i}", 1500), cut_after_chunks=2)
+                for i in range(8)))
+            samples = await wait_idle(http, server.base_url)
+    assert all(outcome.cut for outcome in cut)
+    served = per_engine(samples, "engine_generation_tokens_total")
+    assert min(served.values()) > 0, served  # both engines had some
+    assert sum(served.values()) < 8 * 1500 / 2  # aborted long before their 1500 tokens
+    assert per_engine(samples, "engine_num_requests_running") == {"0": 0.0, "1": 0.0}
+    assert samples['loom:request_success_total{finished_reason="abort"}'] == 8
     assert_no_leaks(samples)
 
 
