@@ -4,7 +4,6 @@ and the process plumbing other servers started by a benchmark share (bench.peer)
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,16 +13,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, ClassVar, Self
 
+from common.sockets import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 READY_MARK = "serving "  # launch.py prints it once /health answered 200
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:

@@ -22,7 +22,8 @@ import tempfile
 import time
 import urllib.request
 
-from bench.launched import REPO_ROOT, children_by_role, free_port, status_kib
+from bench.launched import REPO_ROOT, children_by_role, status_kib
+from common.sockets import free_port
 
 
 def peak_rss_mib(pid: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,3 +58,10 @@ def make_socket(context: zmq.Context, kind: int, address: str, bind: bool,
     else:
         socket.connect(address)
     return socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (yet)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -23,6 +23,7 @@ from common.protocol import (
     StepOutputs,
     StepStats,
 )
+from common.sockets import free_port
 from engine.attention import load_cpp_decode, triton_supports
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import CudaGraphRecorder, Recorder
@@ -38,7 +39,6 @@ from engine.tensor_parallel import (
     WorkerRanks,
     broadcast_int,
     dist_backend,
-    free_port,
     init_group,
     rank_layout,
 )

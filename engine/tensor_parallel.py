@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -323,9 +322,3 @@ def keep_to_cores(rank: int, layout: RankLayout, device: torch.device) -> None:
     if device.type == "cpu" and cores is not None:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

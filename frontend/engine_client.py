@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -100,6 +101,8 @@ class EngineClient:
         self.restarts = 0  # processes that came back after this rank's engine exited
         self.ready: Ready | None = expected  # what the engine serves, once known
         self._joined = False  # a remote engine has sent READY before
+        # What the other engines serve (set by EnginePool): a remote engine must match it.
+        self.peers_model: Callable[[], Ready | None] = lambda: None
         self._refusal_logged_at = -math.inf
         self._context = zmq.asyncio.Context()
         # Sends are never awaited: an ABORT must go out from a `finally` of a cancelled
@@ -269,8 +272,9 @@ class EngineClient:
             logger.warning("dropped an unexpected %s frame from the engine", type(message).__name__)
 
     def _remote_ready(self, ready: Ready) -> None:
-        """A remote engine announced itself: it serves if it serves the same model."""
-        expected = self.ready
+        """A remote engine announced itself: it serves if it serves the same model as before,
+        and as the other engines."""
+        expected = self.ready or self.peers_model()
         if expected is not None and not same_model(expected, ready):
             logger.error("engine %d serves %s (blocks of %d, vocab %d), not %s: ignored",
                          self.rank, ready.model_name, ready.block_size, ready.vocab_size,

@@ -28,6 +28,8 @@ class EnginePool:
         self.router = router
         self.metrics = metrics
         self._lives: dict[int, tuple[int, bool]] = {}  # rank: (restarts, dead) last seen
+        for client in clients:
+            client.peers_model = self.reported_info
 
     def start(self) -> None:
         for client in self.clients:

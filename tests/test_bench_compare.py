@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.launched import REPO_ROOT, free_port
+from bench.launched import REPO_ROOT
+from common.sockets import free_port
 from tests.tiny_server import build_answer_model
 
 

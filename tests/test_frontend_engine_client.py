@@ -8,15 +8,19 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from common.curve import CurveKeys
 from common.protocol import (
     AddRequest,
     Ready,
     RequestOutput,
     StepOutputs,
+    encode,
 )
 from common.sampling import SamplingParams
-from common.sockets import Endpoints
+from common.sockets import Endpoints, free_port
 from frontend.engine_client import EngineClient, EngineDeadError, EngineRequestError
+from frontend.engine_pool import EnginePool
+from frontend.router import Router
 from tests.fake_engine import FakeEngine, fake_logprobs
 
 EOS = 0
@@ -142,3 +146,26 @@ async def test_engine_death_fails_in_flight_requests(
     assert client.engine_dead
     with pytest.raises(EngineDeadError):
         client.add(request("r2"))
+
+
+async def test_remote_engines_must_serve_the_model_of_the_first_to_join() -> None:
+    """Two tcp engine links (CURVE keys of a test secret, bound on 127.0.0.1): the first
+    READY sets the model; another engine announcing a different one stays out."""
+    keys = CurveKeys.derive(b"a test secret of enough bytes")
+    ports = [free_port() for _ in range(4)]
+    clients = [EngineClient(f"tcp://127.0.0.1:{ports[2 * rank]}",
+                            f"tcp://127.0.0.1:{ports[2 * rank + 1]}", rank=rank, curve=keys)
+               for rank in range(2)]
+    pool = EnginePool(clients, Router("load", 16), clients[0].metrics)
+    try:
+        assert pool.engine_dead and pool.reported_info() is None  # nobody joined yet
+        tiny = Ready("tiny", 256, 64, 16, [EOS], 128)
+        clients[0].handle_frame(encode(tiny))
+        assert not clients[0].engine_dead and pool.reported_info() == tiny
+        clients[1].handle_frame(encode(Ready("other", 256, 64, 16, [EOS], 999)))
+        assert clients[1].engine_dead and pool.num_live == 1
+        clients[1].handle_frame(encode(tiny))
+        assert pool.num_live == 2
+    finally:
+        for engine_client in clients:
+            await engine_client.close()

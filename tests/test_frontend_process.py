@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.launched import REPO_ROOT, free_port
-from common.sockets import Endpoints
+from bench.launched import REPO_ROOT
+from common.sockets import Endpoints, free_port
 from tests.fake_engine import FakeEngine, build_test_tokenizer, engine_info
 
 

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from bench.launched import REPO_ROOT, free_port
+from bench.launched import REPO_ROOT
 from common.default_model import default_gguf_file, unpermute_rotary
 from common.gguf_model import prepare_gguf
+from common.sockets import free_port
 from engine.gguf_file import GGUFTensor, read_tensors
 from engine.gguf_weights import keep_gguf_quantization, kept_groups, q4_codes
 from engine.loader import load_model

@@ -26,8 +26,9 @@ import torch
 from bench.launched import child_pids, command_line
 from bench.soak import StreamOutcome, stream_one
 from common.default_model import resolve_model
+from common.sockets import free_port
 from engine.model_runner import StepInputs
-from engine.tensor_parallel import TPShard, free_port
+from engine.tensor_parallel import TPShard
 from tests.engine_helpers import greedy_request, make_core, run_to_completion
 from tests.launched_server import LaunchedServer
 from tests.model_fixtures import build_tiny_llama_dir
