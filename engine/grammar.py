@@ -31,7 +31,7 @@ from typing import Any
 import numpy
 import torch
 
-from engine.host_copy import device_tensor, upload
+from engine.host_copy import int_tensor, upload
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,6 @@ def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
     penalty.reciprocal_().neg_().add_(1)
     if len(rows) == logits.shape[0]:
         return logits.add_(penalty)
-    row_index = device_tensor(rows, torch.int64, logits.device)
+    row_index = int_tensor(rows, logits.device)
     logits[row_index] += penalty
     return logits

@@ -9,7 +9,8 @@ which is the step's one wait for the GPU. On the CPU all of this is a plain copy
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import array
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -25,6 +26,14 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def device_tensor(values: Sequence, dtype: torch.dtype | None,
                   device: torch.device) -> torch.Tensor:
     return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def int_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor from Python ints, several times faster than torch.tensor on a list."""
+    buffer = array.array("q", values)
+    if not buffer:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return upload(torch.frombuffer(buffer, dtype=torch.int64), device)
 
 
 def download(*tensors: torch.Tensor) -> list[list[float]]:

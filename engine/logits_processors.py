@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.grammar import mask_logits
-from engine.host_copy import device_tensor
+from engine.host_copy import device_tensor, int_tensor
 from engine.request import Request
 
 
@@ -76,7 +76,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
                             + (sampling.presence_penalty if count else 0.0))
     if not rows:
         return logits
-    index = (device_tensor(rows, torch.int64, device), device_tensor(columns, torch.int64, device))
+    index = (int_tensor(rows, device), int_tensor(columns, device))
     values = logits[index]
     penalty = device_tensor(repetition, logits.dtype, device)
     values = torch.where(values > 0, values / penalty, values * penalty)
@@ -93,7 +93,7 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
                 columns.append(token_id)
                 values.append(bias)
     device = logits.device
-    index = (device_tensor(rows, torch.int64, device), device_tensor(columns, torch.int64, device))
+    index = (int_tensor(rows, device), int_tensor(columns, device))
     logits.index_put_(index, device_tensor(values, logits.dtype, device),
                       accumulate=True)
     return logits

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, int_tensor
+from engine.attention import AttentionMetadata
 from engine.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.cuda_graphs import DecodeGraphs, Recorder
 from engine.forward_context import forward_context
+from engine.host_copy import int_tensor
 from engine.scheduler import ScheduledChunk
 from engine.tensor_parallel import broadcast_step
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.host_copy import device_tensor, download
+from engine.host_copy import device_tensor, download, int_tensor
 from engine.logits_processors import process_logits
 from engine.request import Request
 
@@ -119,7 +119,7 @@ class Sampler:
         as vLLM reports them, for `rows`: the chosen token's [R], the top-N's [R, N] and
         their ids [R, N], on the device."""
         if len(rows) < logits.shape[0]:
-            row_index = device_tensor(rows, torch.int64, logits.device)
+            row_index = int_tensor(rows, logits.device)
             logits, sampled = logits.index_select(0, row_index), sampled.index_select(0, row_index)
         normalizer = logits.logsumexp(dim=-1, keepdim=True)  # logprob = logit - normalizer
         chosen = (logits.gather(1, sampled[:, None]) - normalizer)[:, 0]
