@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from common.config import EngineConfig, add_chat_args, add_engine_args
 from common.curve import SECRET_ENV, SecretMissing, load_secret
-from common.processes import core_slice, die_with_parent
+from common.processes import core_slice, die_with_parent, env_for_cores
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
 from frontend.router import ROUTING_POLICIES
@@ -355,9 +355,7 @@ def engine_env(base: dict[str, str], local: int, count: int,
                cores: list[int] | None) -> dict[str, str]:
     """Threads to match the cores; with several engines on this host's GPUs, one GPU each
     (`local`: the engine's index among this host's `count`)."""
-    env = dict(base)
-    if cores is not None and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(len(cores))
+    env = env_for_cores(base, cores)
     if count > 1:
         visible = env.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else [str(i) for i in range(count)]

@@ -19,6 +19,9 @@ from zmq.utils import z85
 
 SECRET_ENV = "LOOM_DP_SECRET"
 MIN_SECRET_BYTES = 16
+# Socket-monitor events of a CURVE handshake that failed (a peer without the secret).
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class SecretMissing(ValueError):

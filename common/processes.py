@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Mapping
 
 PR_SET_PDEATHSIG = 1
 
@@ -29,3 +30,11 @@ def die_with_parent(cores: list[int] | None = None, own_group: bool = False) -> 
         os.setpgrp()
     if cores is not None:
         os.sched_setaffinity(0, cores)
+
+
+def env_for_cores(base: Mapping[str, str], cores: list[int] | None) -> dict[str, str]:
+    """`base` with OpenMP threads to match `cores`, unless the operator set them."""
+    env = dict(base)
+    if cores is not None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+    return env

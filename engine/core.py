@@ -111,7 +111,6 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = self._make_runner(num_blocks, self.recorder)
-        self.runner.tensor_parallel = self.workers is not None
         self.sampler = Sampler(self.device, config.seed)
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: dict[str, AwaitingGrammar] = {}
@@ -171,7 +170,8 @@ class EngineCore:
         return ModelRunner(self.model, num_blocks, self.config.block_size, self.device,
                            self.dtype, compiled=self.config.compiled, recorder=recorder,
                            max_model_len=self.max_model_len,
-                           max_num_seqs=self.config.max_num_seqs)
+                           max_num_seqs=self.config.max_num_seqs,
+                           tensor_parallel=self.workers is not None)
 
     def _graph_memory(self) -> int:
         """Bytes the decode graphs keep on the GPU: measured by recording them once over a

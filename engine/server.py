@@ -8,7 +8,7 @@ import os
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from common.curve import CurveKeys
+from common.curve import HANDSHAKE_FAILURES, CurveKeys
 from common.protocol import (
     AbortRequests,
     AddRequest,
@@ -28,8 +28,6 @@ from engine.stats_log import StatsLogger
 logger = logging.getLogger("loom.engine")
 
 IDLE_POLL_MS = 1000
-HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 GRAMMAR_POLL_MS = 2  # idle, but a constrained request waits for its grammar build
 
 
@@ -160,4 +158,3 @@ class EngineServer:
         self.requests.close(linger=0)
         self.outputs.close()
         self.context.term()
-        self.core.shutdown()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import EngineConfig
-from common.processes import core_slice, die_with_parent
+from common.processes import core_slice, die_with_parent, env_for_cores
 
 logger = logging.getLogger("loom.engine")
 
@@ -271,14 +271,12 @@ class WorkerRanks:
         processes = []
         for rank in ranks:
             cores = layout.cores(rank)
-            env = dict(os.environ)
-            if cores is not None and "OMP_NUM_THREADS" not in os.environ:
-                env["OMP_NUM_THREADS"] = str(len(cores))
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "engine.tp_worker", "--config-json", config_json,
                  "--rank", str(rank), "--size", str(layout.size), "--master-addr",
                  master_addr, "--master-port", str(master_port), "--log-level", log_level],
-                env=env, preexec_fn=lambda cores=cores: die_with_parent(cores)))
+                env=env_for_cores(os.environ, cores),
+                preexec_fn=lambda cores=cores: die_with_parent(cores)))
         return cls(ranks, processes)
 
     def check(self) -> None:

@@ -23,7 +23,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from common import protocol
-from common.curve import CurveKeys
+from common.curve import HANDSHAKE_FAILURES, CurveKeys
 from common.protocol import (
     AbortRequests,
     AddRequest,
@@ -282,12 +282,15 @@ class EngineClient:
             return
         if self.engine_dead:
             if self._joined:
-                self.restarts += 1
-                self.metrics.engine_restarts.labels(str(self.rank)).inc()
+                self._count_restart()
             logger.info("engine %d joined: %s", self.rank, ready.model_name)
         self._joined = True
         self.ready = ready
         self.engine_dead = False
+
+    def _count_restart(self) -> None:
+        self.restarts += 1
+        self.metrics.engine_restarts.labels(str(self.rank)).inc()
 
     async def _watch_connection(self) -> None:
         while True:
@@ -311,8 +314,7 @@ class EngineClient:
             if event["event"] == zmq.EVENT_CONNECTED:
                 if self.engine_dead and self.engine_exited and self.restartable:
                     logger.info("engine %d is back (restarted)", self.rank)
-                    self.restarts += 1
-                    self.metrics.engine_restarts.labels(str(self.rank)).inc()
+                    self._count_restart()
                     self.engine_exited = self.engine_dead = False
                 elif self.engine_dead and not self.engine_exited:
                     logger.info("engine %d reconnected", self.rank)
@@ -334,8 +336,6 @@ class EngineClient:
             queue.put_nowait(failure)
 
 
-HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def same_model(first: Ready, second: Ready) -> bool:
