@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # Plain C++ (no torch headers: it compiles in seconds). One OpenMP task per (request, kv
 # head), or per request when there are enough requests, reads its blocks straight from the
-# paged cache, a few blocks prefetched ahead,
+# paged cache: the next few blocks prefetched into L1, a window of its K and V into L2,
 # and keeps scores, softmax and accumulators in fp32. Where the CPU has AVX-512, head_dim 64
 # and 128 with up to 8 query heads per KV head take a path with the query and accumulators
 # in registers; elsewhere the compiler vectorizes the plain loops.
@@ -37,6 +37,26 @@ namespace {
 inline void prefetch(const void* ptr, int64_t bytes) {
   const char* p = static_cast<const char*>(ptr);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+inline void prefetch_l2(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+// A task asks for this many bytes of its K and V into L2 at its start (a short context's
+// all), then one block more of each per block it reads; a block stored right after the one
+// before it is left to the hardware prefetcher. Over 30 layers, blocks scattered as a busy
+// cache scatters them: 64 decodes of 200 tokens 28 -> 21 ms, 16 of 2000 tokens 62 -> 42 ms,
+// one of 500 1.5 -> 1.2 ms, against the L1 prefetch alone; blocks in order: unchanged.
+constexpr int64_t kPrefetchL2Bytes = 128 << 10;
+
+inline int64_t l2_window(int64_t span) {  // blocks of K (and as many of V) in the window
+  return std::max<int64_t>(1, kPrefetchL2Bytes / (2 * span));
+}
+
+inline bool scattered(const int64_t* table, int64_t b) {
+  return b == 0 || table[b] != table[b - 1] + 1;
 }
 
 // Each of `group` rows of `len` scores becomes exp(score - its max); inv_sums gets 1 / row sum.
@@ -56,7 +76,7 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len, const float*
 }
 
 constexpr int kMaxGroup = 16;
-constexpr int64_t kPrefetchAhead = 4;  // blocks: far enough to hide DRAM latency
+constexpr int64_t kPrefetchAhead = 4;  // blocks into L1
 constexpr int64_t kRequestsPerThread = 4;  // from this many on, one task per request
 constexpr int kMaxDim = 256;
 
@@ -87,13 +107,22 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
 
+  const int64_t span = block_elems * int64_t(sizeof(T));
+  const int64_t window = l2_window(span);
+  for (int64_t b = 0; b < std::min(window, num_blocks); ++b) {
+    if (scattered(table, b)) {
+      prefetch_l2(block_ptr(k_cache, b), span);
+      prefetch_l2(block_ptr(v_cache, b), span);
+    }
+  }
   for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(k_cache, b), block_elems * sizeof(T));
+    prefetch(block_ptr(k_cache, b), span);
   float maxes[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) maxes[g] = -INFINITY;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks)
-      prefetch(block_ptr(k_cache, b + kPrefetchAhead), block_elems * sizeof(T));
+    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(k_cache, b + kPrefetchAhead), span);
+    if (b + window < num_blocks && scattered(table, b + window))
+      prefetch_l2(block_ptr(k_cache, b + window), span);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const T* keys = block_ptr(k_cache, b);
     for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(keys[i]);
@@ -127,15 +156,16 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
   }
 
   for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(v_cache, b), block_elems * sizeof(T));
+    prefetch(block_ptr(v_cache, b), span);
   float inv_sums[kMaxGroup];
   softmax_rows(scores.data(), group, len, maxes, inv_sums);
 
   alignas(64) float acc[kMaxGroup][kMaxDim];
   for (int64_t g = 0; g < group; ++g) std::fill(acc[g], acc[g] + dim, 0.f);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks)
-      prefetch(block_ptr(v_cache, b + kPrefetchAhead), block_elems * sizeof(T));
+    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(v_cache, b + kPrefetchAhead), span);
+    if (b + window < num_blocks && scattered(table, b + window))
+      prefetch_l2(block_ptr(v_cache, b + window), span);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const T* values = block_ptr(v_cache, b);
     for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(values[i]);
@@ -205,10 +235,19 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
 
+  const int64_t window = l2_window(span);
+  for (int64_t b = 0; b < std::min(window, num_blocks); ++b) {
+    if (scattered(table, b)) {
+      prefetch_l2(block_ptr(k_cache, b), span);
+      prefetch_l2(block_ptr(v_cache, b), span);
+    }
+  }
   for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
     prefetch(block_ptr(k_cache, b), span);
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(k_cache, b + kPrefetchAhead), span);
+    if (b + window < num_blocks && scattered(table, b + window))
+      prefetch_l2(block_ptr(k_cache, b + window), span);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h) {
       const T* keys = block_ptr(k_cache, b) + h * block_elems;
@@ -238,6 +277,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
 
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(v_cache, b + kPrefetchAhead), span);
+    if (b + window < num_blocks && scattered(table, b + window))
+      prefetch_l2(block_ptr(v_cache, b + window), span);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h) {
       const T* values = block_ptr(v_cache, b) + h * block_elems;
