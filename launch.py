@@ -283,6 +283,8 @@ class Launcher:
         """Raises StopRequested when asked to stop, ChildFailed when the frontend dies, when
         the one engine dies, or when, with several, no engine can be kept alive."""
         while True:
+            if self.stopping:
+                raise StopRequested
             if self.frontend is not None:
                 self._check_alive("frontend")
             for slot in self.engines:
@@ -296,8 +298,6 @@ class Launcher:
         """Several engines: a dead one is restarted, after 1 s and twice as long after each
         restart that died before READY (30 s at most)."""
         assert slot.process is not None
-        if self.stopping:
-            raise StopRequested
         returncode = slot.process.poll()
         if returncode is None:
             return

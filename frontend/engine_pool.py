@@ -65,6 +65,9 @@ class EnginePool:
     def route(self, prompts: Sequence[Sequence[int]]) -> EngineClient:
         """The engine for one API request. Raises EngineDeadError when none serves."""
         self._notice_deaths()
+        info = self.reported_info()
+        if info is not None:  # engines all remote: the block size came with their READY
+            self.router.block_size = info.block_size
         try:
             rank = self.router.choose(prompts, [self.load(client) for client in self.clients])
         except LookupError:
@@ -80,12 +83,9 @@ class EnginePool:
                 self._lives[rank] = life
 
     def reported_info(self) -> Ready | None:
-        """The first READY a remote engine sent (the router then learns the block size)."""
-        for client in self.clients:
-            if client.ready is not None:
-                self.router.block_size = client.ready.block_size
-                return client.ready
-        return None
+        """What the engines serve: the first READY one of them sent (or launch.py's)."""
+        return next((client.ready for client in self.clients if client.ready is not None),
+                    None)
 
     def refresh_metrics(self) -> None:
         self.metrics.engines_live.set(self.num_live)
