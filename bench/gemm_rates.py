@@ -14,27 +14,15 @@ so a target ratio T holds only while R <= (G_bf16 - T * G_w8a8) / (T - 1).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+from functools import partial
 
 import torch
 
+from bench.attention import median_ms
 from common.default_model import resolve_model
 from engine.cpu_w8a8_kernel import quantize_rows
-from engine.loader import cpu_flags, load_model
+from engine.loader import kernel_flags, load_model
 from engine.quantized_linear import W8A8Linear
-
-
-def median_us(repeats: int, function: Callable[..., object], *args: object) -> float:
-    for _ in range(3):
-        function(*args)
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function(*args)
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e6
 
 
 def step_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
@@ -58,8 +46,7 @@ def main() -> None:
     cpu = torch.device("cpu")
     bf16 = step_linears(load_model(model_dir, torch.bfloat16, cpu, quantization="none"))
     w8a8 = step_linears(load_model(model_dir, torch.bfloat16, cpu, quantization="w8a8"))
-    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_int8"})
-    print(f"flags: {' '.join(flags)}; torch {torch.__version__}; {torch.get_num_threads()} "
+    print(f"flags: {kernel_flags()}; torch {torch.__version__}; {torch.get_num_threads()} "
           f"threads; {args.rows} rows; median of {args.repeats}\n")
     print("| linear | K -> N | per step | bf16 µs | w8a8 layer µs | `_int_mm` µs | ratio |")
     print("|---|---|--:|--:|--:|--:|--:|")
@@ -68,9 +55,9 @@ def main() -> None:
         assert isinstance(quantized, W8A8Linear)
         x = torch.randn(args.rows, dense.in_features, dtype=torch.bfloat16)
         a, _ = quantize_rows(x)
-        dense_us = median_us(args.repeats, dense, x)
-        layer_us = median_us(args.repeats, quantized, x)
-        int_mm_us = median_us(args.repeats, torch._int_mm, a, quantized.qweight_t)
+        dense_us = median_ms(partial(dense, x), args.repeats) * 1e3
+        layer_us = median_ms(partial(quantized, x), args.repeats) * 1e3
+        int_mm_us = median_ms(partial(torch._int_mm, a, quantized.qweight_t), args.repeats) * 1e3
         total_bf16 += count * dense_us
         total_w8a8 += count * layer_us
         print(f"| {name} | {dense.in_features} -> {dense.out_features} | {count} | "

@@ -45,7 +45,7 @@ from engine import (
     sampler,
 )
 from engine.core import EngineCore
-from engine.loader import cpu_flags
+from engine.loader import kernel_flags
 from engine.tensor_parallel import keep_to_cores, rank_layout
 
 CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
@@ -266,11 +266,10 @@ def main() -> None:
             print(rows[-1], file=sys.stderr, flush=True)
         core.shutdown()
         del core
-    flags = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
     ranks = f" x {args.tensor_parallel_size} ranks" if args.tensor_parallel_size > 1 else ""
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
           f"{ranks}, "
-          f"flags: {' '.join(flags) or 'unknown'}, torch {torch.__version__}, "
+          f"flags: {kernel_flags()}, torch {torch.__version__}, "
           f"dtype {args.dtype}, context {args.context} tokens; ms per step (share)\n")
     print("| step | wall ms | " + " | ".join(CLASSES) + " |")
     print("|---|--:|" + "--:|" * len(CLASSES))

@@ -26,7 +26,7 @@ from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore
 from engine.grammar import mask_logits
-from engine.loader import cpu_flags
+from engine.loader import kernel_flags
 from frontend.structured_outputs import StructuredOutput, build_grammar
 from frontend.tools import forced_call, parse_tool_request
 
@@ -146,8 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     core = EngineCore(EngineConfig(model=resolve_model(args.model), dtype=args.dtype,
                                    grammar_compile_timeout=60.0))
-    flags = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
-    print(f"flags: {' '.join(flags) or 'unknown'}; torch {torch.__version__}; {core.dtype}; "
+    print(f"flags: {kernel_flags()}; torch {torch.__version__}; {core.dtype}; "
           f"{torch.get_num_threads()} threads\n")
     build_times(core)
     mask_times(core, [1, 8, 32])

@@ -168,6 +168,16 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
 
 
+# The flags that decide which kernels run here: what a benchmark names beside its figures.
+KERNEL_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                          "amx_int8"})
+
+
+def kernel_flags() -> str:
+    """This CPU's KERNEL_FLAGS, space-separated ("unknown" where none can be read)."""
+    return " ".join(sorted(cpu_flags() & KERNEL_FLAGS)) or "unknown"
+
+
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """The CPU's feature flags (the first "flags" line); empty where they cannot be read."""
     try:
