@@ -25,10 +25,10 @@ from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore
-from engine.grammar import mask_logits
+from engine.grammar import Constraint, mask_logits
 from engine.loader import kernel_flags
-from frontend.structured_outputs import StructuredOutput, build_grammar
-from frontend.tools import forced_call, parse_tool_request
+from frontend.structured_outputs import StructuredOutput, build_grammars
+from frontend.tools import call_grammar, parse_tool_request
 
 ORDER = {
     "type": "object",
@@ -65,7 +65,7 @@ def grammars() -> dict[str, StructuredOutput]:
         "nested order schema": StructuredOutput("bench", "json", ORDER),
         "2000-char answer schema": StructuredOutput("bench", "json", LONG_ANSWER),
         "regex (phone)": StructuredOutput("bench", "regex", r"\(\d{3}\) \d{3}-\d{4}"),
-        "tool call (required)": forced_call(tools, "hermes"),
+        "tool call (required)": call_grammar(tools, "hermes"),
         "Lark, 30,000 rules": StructuredOutput("bench", "grammar", slow_grammar()),
     }
 
@@ -82,24 +82,25 @@ def build_times(core: EngineCore) -> None:
     tokenizer = core.grammars.tokenizer()
     print("| grammar | frontend validate ms | engine build ms |\n|---|--:|--:|")
     for name, structured in grammars().items():
-        grammar, validate = timed(build_grammar, structured)
-        _, build = timed(LLMatcher, tokenizer, grammar)
+        built, validate = timed(build_grammars, structured)
+        _, build = timed(lambda texts: [LLMatcher(tokenizer, text) for text in texts], built)
         print(f"| {name} | {validate * 1e3:.1f} | {build * 1e3:.1f} |")
 
 
 def mask_times(core: EngineCore, rows_list: list[int]) -> None:
     from llguidance import LLMatcher
 
-    grammar = build_grammar(grammars()["nested order schema"])
+    schema_grammars = build_grammars(grammars()["nested order schema"])
     tokenizer = core.grammars.tokenizer()
     vocab = core.model.config.vocab_size
     print("\n| constrained rows | mask fill + apply ms (median of 50) |\n|--:|--:|")
     for rows in rows_list:
-        matchers = [LLMatcher(tokenizer, grammar) for _ in range(rows)]
+        constraints = [Constraint([LLMatcher(tokenizer, grammar) for grammar in schema_grammars])
+                       for _ in range(rows)]
         logits = torch.randn(rows, vocab)
         samples = []
         for _ in range(50):
-            _, seconds = timed(mask_logits, logits.clone(), matchers)
+            _, seconds = timed(mask_logits, logits.clone(), constraints)
             samples.append(seconds)
         print(f"| {rows} | {statistics.median(samples) * 1e3:.2f} |")
 
@@ -121,10 +122,10 @@ def interference(core: EngineCore, batch: int, steps: int) -> None:
     while any(r.is_prefilling for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()
     alone = step_times(core, steps)
-    slow = build_grammar(grammars()["Lark, 30,000 rules"])
-    core.add_request(AddRequest("slow", [5, 6, 7], SamplingParams(max_tokens=4, grammar=slow),
+    slow = build_grammars(grammars()["Lark, 30,000 rules"])
+    core.add_request(AddRequest("slow", [5, 6, 7], SamplingParams(max_tokens=4, grammars=slow),
                                 0.0))
-    build = core.awaiting_grammar["slow"].build
+    (build,) = core.awaiting_grammar["slow"].builds
     during, started = [], time.perf_counter()
     while not build.future.done():
         during += step_times(core, 1)

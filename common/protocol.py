@@ -17,7 +17,7 @@ import msgpack
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
 

@@ -21,7 +21,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # number of top logprobs per token; None: no logprobs
-    grammar: str | None = None  # llguidance grammar the output must match (structured outputs)
+    grammars: list[str] = field(default_factory=list)  # llguidance grammars the output must
+    # match, every one of them (structured outputs; a JSON output adds its number bounds)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,8 +35,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.grammar is not None and not isinstance(self.grammar, str):
-            raise ValueError("grammar must be a string")
+        if not isinstance(self.grammars, list) or not all(
+                isinstance(grammar, str) for grammar in self.grammars):
+            raise ValueError("grammars must be a list of strings")
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,7 @@ from common.sockets import free_port
 from engine.attention import load_cpp_decode, triton_supports
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import CudaGraphRecorder, Recorder
-from engine.grammar import GrammarBuild, GrammarCompiler
+from engine.grammar import Constraint, GrammarBuild, GrammarCompiler
 from engine.loader import choose_dtype, load_model, weight_bytes
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.quantized_linear import quantization_summary
@@ -66,7 +66,14 @@ def _rss_text() -> str:
 @dataclass(slots=True)
 class AwaitingGrammar:
     request: Request
-    build: GrammarBuild
+    builds: list[GrammarBuild]  # one per grammar of the request
+
+    def running_for(self, now: float) -> float:
+        return max(build.running_for(now) for build in self.builds)
+
+    @property
+    def is_built(self) -> bool:
+        return all(build.future.done() for build in self.builds)
 
 
 @dataclass(slots=True)
@@ -224,13 +231,13 @@ class EngineCore:
                           message.arrival_time, message.priority)
         if request.request_id in self.awaiting_grammar:
             raise RequestRefused(f"request id {request.request_id!r} is already in use")
-        grammar = request.sampling.grammar
-        if grammar is None:
+        grammars = request.sampling.grammars
+        if not grammars:
             self.scheduler.add(request)
             return
         self.scheduler.check_new(request)
         self.awaiting_grammar[request.request_id] = AwaitingGrammar(
-            request, self.grammars.submit(grammar))
+            request, [self.grammars.submit(grammar) for grammar in grammars])
 
     def admit_constrained(self) -> list[RequestError]:
         """Moves each request whose grammar is built into the scheduler, with its own matcher;
@@ -238,9 +245,8 @@ class EngineCore:
         errors = []
         now = time.monotonic()
         for request_id, waiting in list(self.awaiting_grammar.items()):
-            future = waiting.build.future
-            if not future.done():
-                if waiting.build.running_for(now) > self.config.grammar_compile_timeout:
+            if not waiting.is_built:
+                if waiting.running_for(now) > self.config.grammar_compile_timeout:
                     del self.awaiting_grammar[request_id]
                     errors.append(RequestError(request_id, (
                         f"the structured-output grammar took more than "
@@ -248,11 +254,11 @@ class EngineCore:
                 continue
             del self.awaiting_grammar[request_id]
             try:
-                matcher = future.result()
+                matchers = [build.future.result().deep_copy() for build in waiting.builds]
             except Exception as exc:  # whatever a build raises fails its request only
                 errors.append(RequestError(request_id, f"invalid structured-output grammar: {exc}"))
                 continue
-            waiting.request.matcher = matcher.deep_copy()
+            waiting.request.constraint = Constraint(matchers)
             try:
                 self.scheduler.add(waiting.request)
             except RequestRefused as exc:
@@ -264,13 +270,14 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             waiting = self.awaiting_grammar.pop(request_id, None)
-            if waiting is not None and not self._grammar_awaited(waiting.request.sampling.grammar):
-                self.grammars.forget(waiting.request.sampling.grammar)
+            for grammar in waiting.request.sampling.grammars if waiting is not None else ():
+                if not self._grammar_awaited(grammar):
+                    self.grammars.forget(grammar)
         for request in self.scheduler.abort(request_ids):
             self.sampler.forget(request.request_id)
 
-    def _grammar_awaited(self, grammar: str | None) -> bool:
-        return any(w.request.sampling.grammar == grammar for w in self.awaiting_grammar.values())
+    def _grammar_awaited(self, grammar: str) -> bool:
+        return any(grammar in w.request.sampling.grammars for w in self.awaiting_grammar.values())
 
     @property
     def has_work(self) -> bool:

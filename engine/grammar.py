@@ -1,5 +1,6 @@
-"""Grammars of constrained requests (`SamplingParams.grammar`): compiled off the step loop,
-one matcher per request, one token bitmask per constrained row of a step.
+"""Grammars of constrained requests (`SamplingParams.grammars`): compiled off the step loop,
+one `Constraint` per request (a matcher per grammar, all advanced together), one token
+bitmask per constrained row of a step: the tokens every one of its grammars allows.
 
 - `GrammarCompiler` builds llguidance matchers on one worker thread (llguidance drops the
   GIL while it builds), so a slow grammar never stalls other requests' steps. Each distinct
@@ -14,8 +15,8 @@ one matcher per request, one token bitmask per constrained row of a step.
   outside the scheduler) and fails with a clear error when its grammar errs or its build
   runs longer than the time limit (counted from the build's start: neither the queue behind
   other builds nor loading the tokenizer counts).
-- `mask_logits` sets every token the grammar forbids to -inf in the constrained rows;
-  `Request.append_token` advances the matcher with each sampled token, and a matcher that
+- `mask_logits` sets every token a grammar forbids to -inf in the constrained rows;
+  `Request.append_token` advances the constraint with each sampled token, and a grammar that
   accepts nothing more finishes the request (finish reason `stop`).
 """
 
@@ -117,23 +118,46 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def mask_logits(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
-    """`logits` [rows, vocab] with the tokens each row's matcher forbids at -inf (in place);
-    a row whose matcher is None is left alone. The masks are added as 0 / -inf: a bool
-    `masked_fill` over 32 rows x 49k measured ~3 ms here, the addition ~0.4 ms. (llguidance's
-    parallel fill measured 3x slower than this loop on 2 cores.)"""
-    from llguidance.torch import fill_next_token_bitmask
+@dataclass(slots=True)
+class Constraint:
+    """Every grammar one request's output must match, as llguidance matchers advanced in step:
+    a token is allowed when all of them allow it; the output ends when any of them is done."""
 
-    rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+    matchers: list[Any]
+
+    def consume_token(self, token_id: int) -> None:
+        for matcher in self.matchers:
+            matcher.consume_token(token_id)
+
+    def is_stopped(self) -> bool:
+        return any(matcher.is_stopped() for matcher in self.matchers)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int, scratch: torch.Tensor) -> None:
+        """Row `index` of `bitmask`: the tokens all matchers allow (`scratch`: one spare row)."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        first, *others = self.matchers
+        fill_next_token_bitmask(first, bitmask, index)
+        for matcher in others:
+            fill_next_token_bitmask(matcher, scratch, 0)
+            bitmask[index] &= scratch[0]
+
+
+def mask_logits(logits: torch.Tensor, constraints: list[Constraint | None]) -> torch.Tensor:
+    """`logits` [rows, vocab] with the tokens each row's constraint forbids at -inf (in place);
+    a row whose constraint is None is left alone. The masks are added as 0 / -inf (a bool
+    `masked_fill` measured several times slower; docs/benchmarks.md)."""
+    rows = [row for row, constraint in enumerate(constraints) if constraint is not None]
     if not rows:
         return logits
     vocab = logits.shape[1]
     words = (vocab + BITS - 1) // BITS
     bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+    scratch = torch.empty((1, words), dtype=torch.int32)
     for index, row in enumerate(rows):
-        fill_next_token_bitmask(matchers[row], bitmask, index)
+        constraints[row].fill_bitmask(bitmask, index, scratch)
     bits = numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=1, bitorder="little")
-    # 1 - 1/bit: 0 where allowed, -inf where not (log and masked_fill measured ~30x slower).
+    # 1 - 1/bit: 0 where allowed, -inf where not (cheaper than log or masked_fill).
     penalty = upload(torch.from_numpy(bits[:, :vocab]), logits.device).to(logits.dtype)
     penalty.reciprocal_().neg_().add_(1)
     if len(rows) == logits.shape[0]:

@@ -23,9 +23,9 @@ def process_logits(logits: torch.Tensor, requests: list[Request],
     if stop_rows:
         edited = edited if edited is not logits else logits.clone()
         edited[stop_rows, stop_columns] = float("-inf")
-    if any(r.matcher is not None for r in requests):
+    if any(r.constraint is not None for r in requests):
         edited = mask_logits(edited if edited is not logits else logits.clone(),
-                             [r.matcher for r in requests])
+                             [r.constraint for r in requests])
     return edited
 
 

@@ -6,10 +6,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from common.protocol import FinishReason
 from common.sampling import SamplingParams
+
+if TYPE_CHECKING:  # engine.grammar needs torch; a request stays pure Python
+    from engine.grammar import Constraint
 
 
 class RequestStatus(Enum):
@@ -37,7 +40,7 @@ class Request:
     queued_at: float = field(default_factory=time.monotonic)  # reached the engine
     queue_time_s: float | None = None  # until first scheduled; preemption does not reset it
     output_token_counts: Counter[int] = field(default_factory=Counter)  # for penalties
-    matcher: Any = None  # an llguidance matcher when the request is constrained (engine.grammar)
+    constraint: Constraint | None = None  # its grammars' matchers when constrained
     _prompt_token_set: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
@@ -86,8 +89,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_counts[token_id] += 1
-        if self.matcher is not None:
-            self.matcher.consume_token(token_id)
+        if self.constraint is not None:
+            self.constraint.consume_token(token_id)
 
     def finish(self, reason: str) -> None:
         self.status = RequestStatus.FINISHED
@@ -102,7 +105,7 @@ class Request:
             return FinishReason.STOP
         if may_stop and last in sampling.stop_token_ids:
             return FinishReason.STOP
-        if self.matcher is not None and self.matcher.is_stopped():
+        if self.constraint is not None and self.constraint.is_stopped():
             return FinishReason.STOP  # the grammar is complete (or, never here, in error)
         if self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH

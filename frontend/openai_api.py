@@ -36,7 +36,7 @@ from frontend.schemas import (
 from frontend.sse import EventStream
 from frontend.state import STATE, ServerState
 from frontend.stream_merge import merge
-from frontend.structured_outputs import build_grammar
+from frontend.structured_outputs import build_grammars
 
 logger = logging.getLogger("loom.frontend.api")
 Parsed = TypeVar("Parsed", CompletionRequest, ChatRequest)
@@ -51,8 +51,8 @@ async def _read_request(request: web.Request, parse: Callable[[dict[str, Any], i
     parsed = parse(body, info.vocab_size)
     state.check_model(parsed.options.model)
     if parsed.options.structured is not None:
-        parsed.options.sampling_fields["grammar"] = await asyncio.to_thread(
-            build_grammar, parsed.options.structured)
+        parsed.options.sampling_fields["grammars"] = await asyncio.to_thread(
+            build_grammars, parsed.options.structured)
     return state, parsed
 
 
@@ -170,15 +170,17 @@ async def _stream(
 ) -> web.StreamResponse:
     events = EventStream(request)
     await events.open()
-    finish_reasons: dict[int, str | None] = {}
+    finish_reasons: dict[int, str | None] = {}  # per choice that has sent a chunk
     try:
         try:
             deltas = merge([generation.deltas() for generation in generations])
             async with contextlib.aclosing(deltas):
                 async for index, delta in deltas:
                     first = index not in finish_reasons
-                    await events.send(response_format.delta_chunk(index, delta, first))
-                    finish_reasons[index] = delta.finish_reason
+                    chunk = response_format.delta_chunk(index, delta, first)
+                    if chunk is not None:
+                        await events.send(chunk)
+                        finish_reasons[index] = delta.finish_reason
             if response_format.include_usage:
                 usage = total_usage([generation.usage for generation in generations], n)
                 await events.send(response_format.usage_chunk(usage))

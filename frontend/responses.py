@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.generation import Delta, Usage
+from frontend.generation import Delta, TokenLogprob, Usage
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
 from frontend.tool_parsers import Parser, make_parser, parse_reply
 
@@ -83,20 +83,23 @@ class ChatFormat:
     logprobs: ChatLogprobs | None = None
     tool_parser: str | None = None  # set when the reply may hold tool calls to read out
     _parsers: dict[int, Parser] = field(default_factory=dict)  # per choice, when streaming
+    _held_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return stream_chunk(self, "chat.completion.chunk", choices)
 
-    def delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
+    def delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any] | None:
         """A choice's role rides on its first chunk, with its first token: a client that
-        times the first chunk (as `vllm bench serve` does) then measures the real TTFT."""
+        times the first chunk (as `vllm bench serve` does) then measures the real TTFT.
+        None when the delta carries nothing to send (text a tool parser holds back)."""
         if self.tool_parser is not None:
             return self._tool_delta_chunk(index, delta, first)
         return self._chunk([self._choice(index, "delta", _delta_message(delta.text, first),
                                          delta)])
 
-    def _tool_delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any]:
-        """Content and tool-call deltas as the parser releases them."""
+    def _tool_delta_chunk(self, index: int, delta: Delta, first: bool) -> dict[str, Any] | None:
+        """Content and tool-call deltas as the parser releases them; the logprobs of tokens
+        held back ride on the next chunk sent."""
         assert self.tool_parser is not None
         parser = self._parsers.get(index)
         if parser is None:  # not setdefault: that would make a parser for every token
@@ -104,13 +107,17 @@ class ChatFormat:
         piece = parser.feed(delta.text)
         finish_reason = delta.finish_reason
         if finish_reason is not None:
-            piece.extend(parser.finish())
+            piece.extend(parser.finish(cut_short=finish_reason == "length"))
             if finish_reason == "stop" and parser.num_calls:
                 finish_reason = "tool_calls"
+        logprobs = self._held_logprobs.pop(index, []) + delta.logprobs
+        if not piece.content and not piece.deltas and finish_reason is None:
+            self._held_logprobs[index] = logprobs
+            return None
         message = _delta_message(piece.content, first)
         if piece.deltas:
             message["tool_calls"] = [call_delta.to_openai() for call_delta in piece.deltas]
-        shown = Delta(delta.text, finish_reason, delta.logprobs)
+        shown = Delta(delta.text, finish_reason, logprobs)
         return self._chunk([self._choice(index, "delta", message, shown)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -130,7 +137,7 @@ class ChatFormat:
     def _message_choice(self, index: int, result: Delta) -> dict[str, Any]:
         if self.tool_parser is None:
             return self._choice(index, "message", _assistant(result.text), result)
-        piece = parse_reply(self.tool_parser, result.text)
+        piece = parse_reply(self.tool_parser, result.text, result.finish_reason == "length")
         if not piece.calls:
             return self._choice(index, "message", _assistant(piece.content), result)
         message = {"role": "assistant", "content": piece.content or None,

@@ -17,7 +17,7 @@ from frontend.body_reader import BodyReader, check_token_id
 from frontend.errors import APIError, invalid_param
 from frontend.prompt_input import Prompt, parse_prompts
 from frontend.structured_outputs import StructuredOutput, structured_output_of
-from frontend.tools import ToolRequest, forced_call, parse_tool_request
+from frontend.tools import ToolRequest, call_grammar, parse_tool_request
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -126,11 +126,11 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int,
         max_tokens = reader.integer("max_tokens", None, minimum=1)
     options = _parse_options(reader, max_tokens, vocab_size, n, logprobs)
     tools = parse_tool_request(body)
-    if tools is not None and tools.forces_call:
-        if options.structured is not None:
-            raise invalid_param("tool_choice", f"tool_choice {body.get('tool_choice')!r} "
-                                               f"forces a call; drop '{options.structured.param}'.")
-        options.structured = forced_call(tools, tool_call_parser)
+    if tools is not None and tools.forces_call and options.structured is not None:
+        raise invalid_param("tool_choice", f"tool_choice {body.get('tool_choice')!r} "
+                                           f"forces a call; drop '{options.structured.param}'.")
+    if tools is not None and options.structured is None:  # else it rules the whole reply
+        options.structured = call_grammar(tools, tool_call_parser)
     return ChatRequest(parse_messages(body.get("messages")), options, tools)
 
 

@@ -7,19 +7,24 @@ OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and vLLM's ext
 wrong before anything reaches the engine. llguidance fails closed: a JSON-schema keyword it
 cannot enforce (`uniqueItems`, `contains`, ...) is an error, never an unconstrained answer.
 Parsing the request is cheap and done with the rest of the body; building the grammar can
-take a second for a large one, so the handler runs `build_grammar` on a thread (llguidance
-drops the GIL) and the event loop keeps streaming. The engine compiles the grammar against
-its tokenizer and masks every sampled token by it.
+take a second for a large one, so the handler runs `build_grammars` on a thread (llguidance
+drops the GIL) and the event loop keeps streaming. A JSON output also gets a grammar that
+bounds its numbers (frontend.json_bounds). The engine compiles the grammars against its
+tokenizer and masks every sampled token by all of them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from common.protocol import MAX_STRING_BYTES
 from frontend.errors import APIError, invalid_param
+from frontend.json_bounds import number_bound_grammar
+
+logger = logging.getLogger("loom.frontend.structured")
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 GUIDED_FIELDS = {f"guided_{kind}": kind for kind in STRUCTURED_KINDS}
@@ -34,6 +39,9 @@ class StructuredOutput:
     param: str  # the request field it came from, named in errors
     kind: str  # one of STRUCTURED_KINDS
     spec: Any  # a JSON schema, regex, choice list or grammar text
+    number_bound: str | None = None  # a grammar holding the JSON in a "grammar" to bounded
+    # numbers (tool calls); a "json" kind gets its own from its schema
+    optional: bool = False  # if it cannot be built, the output goes unconstrained (no 400)
 
 
 def structured_output_of(body: dict[str, Any]) -> StructuredOutput | None:
@@ -100,6 +108,25 @@ def _from_structured_outputs(body: dict[str, Any]) -> StructuredOutput | None:
     return found[0] if found else None
 
 
+def build_grammars(structured: StructuredOutput) -> list[str]:
+    """The grammars the output must match: the constraint itself and, where it holds JSON, the
+    bound on its numbers (frontend.json_bounds). A 400 naming the field if llguidance refuses
+    the constraint; nothing for an optional one it refuses."""
+    try:
+        grammars = [build_grammar(structured)]
+    except APIError as exc:
+        if not structured.optional:
+            raise
+        logger.info("%s left unconstrained: %s", structured.param, exc.message)
+        return []
+    bound = structured.number_bound
+    if structured.kind == "json":
+        bound = number_bound_grammar([structured.spec])
+    if bound is not None:
+        grammars.append(_validated(structured.param, "grammar", bound))
+    return grammars
+
+
 def build_grammar(structured: StructuredOutput) -> str:
     """Builds and validates the grammar; a 400 naming the field if llguidance refuses it."""
     from llguidance import LLMatcher
@@ -127,6 +154,12 @@ def build_grammar(structured: StructuredOutput) -> str:
                    else _grammar_from_ebnf(param, spec))
     else:  # pragma: no cover - the callers pass known kinds only
         raise APIError(f"unknown structured output kind {kind!r}")
+    return _validated(param, kind, grammar)
+
+
+def _validated(param: str, kind: str, grammar: str) -> str:
+    from llguidance import LLMatcher
+
     if len(grammar.encode()) > MAX_STRING_BYTES:
         raise invalid_param(param, f"The {_KIND_NAMES[kind]} makes a grammar of more than "
                                    f"{MAX_STRING_BYTES // 2**20} MiB; this server takes no larger.")

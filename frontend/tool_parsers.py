@@ -10,12 +10,12 @@ content to send, the calls completed so far, and the tool-call deltas to stream 
 shape: the first of a call carries its index, id and name, the rest argument fragments);
 `parse_reply` is the same over a whole reply, so a streamed reply reassembles to the
 non-streamed one. Content that is only whitespace around calls is dropped, in both. A block
-that does not parse as a call stays content. hermes streams a call's arguments as they come
-once its block opens with `{"name": ..., "arguments": ` (the layout the tool prompt and
-grammar ask for), holding back the braces that may close it; the arguments are then the
-raw text the model wrote. A block laid out otherwise is sent whole when it closes, its
-arguments re-serialized. (A streamed block that then fails to parse keeps the call already
-begun: the one way streamed and whole can differ.)
+that does not parse as a call stays content; one cut off before it closes never does.
+hermes streams a call's arguments as they come once its block opens with `{"name": ...,
+"arguments": ` (the layout the tool prompt and grammar ask for), holding back the braces that
+may close it; the arguments are then the raw text the model wrote. A block laid out
+otherwise is sent whole when it closes, its arguments re-serialized. (A streamed block that
+then fails to parse keeps the call already begun: the one way streamed and whole can differ.)
 """
 
 from __future__ import annotations
@@ -177,10 +177,26 @@ class HermesParser:
         self.num_calls += 1
         return ParsedPiece("", [call], deltas)
 
-    def finish(self) -> ParsedPiece:
-        rest = (self.OPEN if self._inside else "") + self._buffer
-        self._buffer, self._inside = "", False
-        return ParsedPiece(self._content(rest))
+    def finish(self, cut_short: bool = False) -> ParsedPiece:
+        """The text held back, as content; but a block cut off before it closes is a call
+        cut short, never content: whole but for its close marker, it is a call; named, it ends
+        with the arguments written so far (the finish reason, `length`, says so); not yet
+        named, it is dropped, as is the start of an open marker when max_tokens cut the
+        reply (`cut_short`)."""
+        rest, self._buffer = self._buffer, ""
+        if not self._inside:
+            return ParsedPiece("" if cut_short else self._content(rest))
+        self._inside = False
+        body = rest[:len(rest) - _partial_suffix(rest, self.CLOSE)]
+        if call_from_json(body.strip(), "arguments") is not None:
+            return self._close(body)
+        streaming, self._streaming = self._streaming, None
+        if streaming is None:
+            return ParsedPiece()
+        arguments = body[streaming.arguments_start:].strip()
+        unsent = arguments[len(streaming.sent):] if arguments.startswith(streaming.sent) else ""
+        call = ToolCall(streaming.call.name, streaming.sent + unsent, streaming.call.id)
+        return self._completed(call, [CallDelta(self.num_calls, unsent)] if unsent else [])
 
     def _content(self, text: str) -> str:
         if not text.strip():
@@ -212,7 +228,7 @@ class Llama3JsonParser:
         out, self._text = self._text, ""
         return ParsedPiece(out)
 
-    def finish(self) -> ParsedPiece:
+    def finish(self, cut_short: bool = False) -> ParsedPiece:
         text, self._text = self._text, ""
         body = text.strip().removeprefix(self.PYTHON_TAG).strip()
         calls = [call_from_json(part, "parameters") for part in _split_calls(body)]
@@ -256,6 +272,6 @@ def make_parser(name: str) -> Parser:
     return Llama3JsonParser() if name == "llama3_json" else HermesParser()
 
 
-def parse_reply(name: str, text: str) -> ParsedPiece:
+def parse_reply(name: str, text: str, cut_short: bool = False) -> ParsedPiece:
     parser = make_parser(name)
-    return parser.feed(text).extend(parser.finish())
+    return parser.feed(text).extend(parser.finish(cut_short))

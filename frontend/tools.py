@@ -6,9 +6,10 @@
   them in the system prompt in the Hermes layout that the `hermes` parser reads back
   (`tools_system_prompt`), with earlier calls and tool results rendered the same way
   (frontend.tokenization).
-- "required" and a named function are enforced by a grammar (`forced_call`): the output is
-  one call (or, with `parallel_tool_calls`, several) in the parser's layout, its name one of
-  the tools' and its arguments valid against that tool's `parameters` schema.
+- A grammar (`call_grammar`) holds every reply that may call: "required" and a named function
+  are only calls, "auto" any text until a call opens; a call's name is one of the tools' and
+  its arguments valid against that tool's `parameters` schema; the reply may end after any
+  complete call; a named function, or `parallel_tool_calls: false`, allows one call at most.
 - The reply is read back by frontend.tool_parsers.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import invalid_param
+from frontend.json_bounds import number_bound_grammar
 from frontend.structured_outputs import JSON_LAYOUT, StructuredOutput, build_grammar
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -54,6 +56,10 @@ class ToolRequest:
     @property
     def forces_call(self) -> bool:
         return self.choice in ("required", "function")
+
+    @property
+    def allows_several_calls(self) -> bool:
+        return self.parallel and self.choice != "function"
 
     @property
     def callable_tools(self) -> tuple[FunctionTool, ...]:
@@ -126,26 +132,77 @@ def _parse_tool_choice(raw: Any, names: list[str]) -> tuple[str, str | None]:
     return "function", name
 
 
-def forced_call(request: ToolRequest, parser: str) -> StructuredOutput:
-    """The grammar a forced call must follow in `parser`'s layout; each tool's parameters
-    are checked on their own first, so a bad schema is a 400 naming its tool."""
-    for index, tool in enumerate(request.tools):
-        if tool in request.callable_tools:
-            build_grammar(StructuredOutput(f"tools[{index}].function.parameters", "json",
-                                           tool.parameters))
-    arguments_key = "parameters" if parser == "llama3_json" else "arguments"
+def call_grammar(request: ToolRequest, parser: str) -> StructuredOutput | None:
+    """The grammar a reply follows when it may call tools, in `parser`'s layout (None for
+    tool_choice "none"). Forced ("required", a named function): only calls, each tool's
+    parameters checked on their own first so that a bad schema is a 400 naming its tool.
+    "auto": any text, but once a call begins it must be whole and valid, and only further
+    calls may follow it; a tool schema llguidance cannot enforce is then ignored (lenient)
+    rather than refused. Either way the reply may end after any complete call, and at most
+    one call is written for a named function or with `parallel_tool_calls: false`."""
+    if not request.parses_calls:
+        return None
+    if request.forces_call:
+        for index, tool in enumerate(request.tools):
+            if tool in request.callable_tools:
+                build_grammar(StructuredOutput(f"tools[{index}].function.parameters", "json",
+                                               tool.parameters))
+    layout = LLAMA3_JSON if parser == "llama3_json" else HERMES
+    options = JSON_LAYOUT if request.forces_call else JSON_LAYOUT | {"lenient": True}
     body = {"anyOf": [
         {"type": "object", "properties": {"name": {"const": tool.name},
-                                          arguments_key: tool.parameters},
-         "required": ["name", arguments_key], "additionalProperties": False}
-        for tool in request.callable_tools], "x-guidance": JSON_LAYOUT}
-    if parser == "llama3_json":
-        call, separator = "call: body", '"; "'
-    else:
-        call, separator = 'call: "<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
-    repeat = f" ({separator} call)*" if request.parallel else ""
-    lark = f"start: call{repeat}\n{call}\nbody: %json {json.dumps(body)}\n"
-    return StructuredOutput("tools", "grammar", lark)
+                                          layout.arguments_key: tool.parameters},
+         "required": ["name", layout.arguments_key], "additionalProperties": False}
+        for tool in request.callable_tools], "x-guidance": options}
+    lark = layout.grammar(f"%json {json.dumps(body)}", request.forces_call,
+                          request.allows_several_calls)
+    bound = layout.number_bound([tool.parameters for tool in request.callable_tools],
+                                request.forces_call)
+    return StructuredOutput("tools", "grammar", lark, number_bound=bound,
+                            optional=not request.forces_call)
+
+
+@dataclass(frozen=True, slots=True)
+class CallLayout:
+    """How a parser's replies hold calls, in Lark: a call is `opening` then `call_rest` (around
+    the JSON `body`), calls are joined by `separator`. Under "auto" a reply may say anything
+    before `opening` (the first call's opening then ends the free text), or, for a layout
+    without one, anything that does not begin like a call."""
+
+    arguments_key: str
+    opening: str
+    call_rest: str
+    separator: str
+
+    def grammar(self, body: str, forced: bool, several: bool) -> str:
+        more = f" ({self.separator} call)*" if several else ""
+        call = f"{json.dumps(self.opening)} {self.call_rest}" if self.opening else self.call_rest
+        if forced:
+            start = f"call{more}"
+        elif self.opening:
+            start = f"TEXT | head {self.call_rest}{more}"
+        else:
+            start = f"PLAIN | call{more}"
+        rules = "" if forced else self.free_text_rules
+        return f"start: {start}\ncall: {call}\nbody: {body}\n{rules}"
+
+    def number_bound(self, schemas: list[dict[str, Any]], forced: bool) -> str:
+        if forced:
+            return number_bound_grammar(schemas)
+        start = "TEXT | head JSON_TEXT" if self.opening else "PLAIN | JSON_TEXT"
+        return number_bound_grammar(schemas, start, self.free_text_rules)
+
+    @property
+    def free_text_rules(self) -> str:
+        if not self.opening:
+            return "PLAIN: /(?s:.*)/ & ~/(?s:\\s*\\{.*)/\n"
+        opening = re.escape(self.opening)
+        return (f"TEXT: /(?s:.*)/ & ~/(?s:.*){opening}(?s:.*)/\n"
+                f"head[lazy]: /(?s:.*){opening}/\n")
+
+
+HERMES = CallLayout("arguments", "<tool_call>", r'"\n" body "\n</tool_call>"', r'"\n"')
+LLAMA3_JSON = CallLayout("parameters", "", "body", '"; "')
 
 
 def tools_system_prompt(tools: tuple[FunctionTool, ...]) -> str:

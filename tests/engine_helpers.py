@@ -46,7 +46,8 @@ def run_to_completion(core: EngineCore, requests: list[AddRequest], max_steps: i
         if not core.has_work:
             if not core.num_awaiting_grammar:
                 break
-            wait([waiting.build.future for waiting in core.awaiting_grammar.values()], timeout=60)
+            wait([build.future for waiting in core.awaiting_grammar.values()
+                  for build in waiting.builds], timeout=60)
             continue
         for output in core.step().outputs:
             assert output.request_id not in finished, "tokens after the finish"

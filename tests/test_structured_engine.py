@@ -17,7 +17,7 @@ from bench.structured import slow_grammar
 from common.protocol import AddRequest, FinishReason
 from common.sampling import SamplingParams
 from engine.scheduler import RequestRefused
-from frontend.structured_outputs import StructuredOutput, build_grammar
+from frontend.structured_outputs import StructuredOutput, build_grammars
 from tests.engine_helpers import (
     assert_no_leaks,
     greedy_request,
@@ -40,8 +40,8 @@ SCHEMA = {
 CHOICES = ["alpha", "beta", "gamma delta"]
 
 
-def grammar(kind: str, spec) -> str:
-    return build_grammar(StructuredOutput(kind, kind, spec))
+def grammar(kind: str, spec) -> list[str]:
+    return build_grammars(StructuredOutput(kind, kind, spec))
 
 
 GRAMMARS = {"regex": grammar("regex", PHONE), "json": grammar("json", SCHEMA),
@@ -73,7 +73,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 def constrained(kind: str, prompt: list[int], request_id: str, **sampling) -> AddRequest:
     return greedy_request(prompt, max_tokens=60, request_id=request_id,
-                          grammar=GRAMMARS[kind], **sampling)
+                          grammars=GRAMMARS[kind], **sampling)
 
 
 def test_constrained_rows_hold_their_grammar_beside_others_with_preemption(
@@ -88,7 +88,7 @@ def test_constrained_rows_hold_their_grammar_beside_others_with_preemption(
     reasons: dict[str, str] = {}
     together = run_to_completion(core, batch, finish_reasons=reasons)
     assert core.scheduler.num_preemptions >= 1
-    assert core.grammars.num_built == len(GRAMMARS)
+    assert core.grammars.num_built == len({text for texts in GRAMMARS.values() for text in texts})
     for request_id, prompt in prompts.items():
         kind = request_id.split("-")[0]
         text = tokenizer.decode(together[request_id])
@@ -105,7 +105,7 @@ def test_sampled_constrained_choices_all_conform(model_dir: str, tokenizer) -> N
     requests = [
         AddRequest(f"s-{kind}-{seed}", prompt_of(12, seed), SamplingParams(
             max_tokens=80, temperature=1.0, top_p=0.95, seed=seed, presence_penalty=0.5,
-            logit_bias={15: 5.0}, grammar=GRAMMARS[kind]), 0.0)
+            logit_bias={15: 5.0}, grammars=GRAMMARS[kind]), 0.0)
         for kind in GRAMMARS for seed in range(4)
     ]
     outputs = run_to_completion(core, requests)
@@ -118,7 +118,7 @@ def test_a_request_waits_for_its_grammar_without_a_seat_and_an_abort_frees_it(
         model_dir: str) -> None:
     core = make_core(model_dir, num_kv_blocks=16)
     slow = grammar("grammar", slow_grammar(20_000))
-    core.add_request(greedy_request(prompt_of(20, 1), 8, "waits", grammar=slow))
+    core.add_request(greedy_request(prompt_of(20, 1), 8, "waits", grammars=slow))
     free = greedy_request(prompt_of(20, 2), 8, "free")
     core.add_request(free)
     assert core.num_awaiting_grammar == 1 and set(core.scheduler.requests) == {"free"}
@@ -136,7 +136,7 @@ def test_a_request_waits_for_its_grammar_without_a_seat_and_an_abort_frees_it(
 def test_a_grammar_slower_than_the_time_limit_fails_its_request_only(model_dir: str) -> None:
     core = make_core(model_dir, grammar_compile_timeout=0.2)
     core.add_request(greedy_request(prompt_of(10, 3), 8, "slow",
-                                    grammar=grammar("grammar", slow_grammar(30_000))))
+                                    grammars=grammar("grammar", slow_grammar(30_000))))
     core.add_request(greedy_request(prompt_of(10, 4), 8, "free"))
     errors, generated = [], 0
     while core.has_work or core.num_awaiting_grammar:
@@ -154,7 +154,7 @@ def test_a_grammar_the_engine_cannot_build_fails_its_request_only(model_dir: str
                                                                    bad: str) -> None:
     """What no frontend sends, but a frame may carry: the engine answers with an error."""
     core = make_core(model_dir)
-    core.add_request(greedy_request(prompt_of(10, 5), 8, "bad", grammar=bad))
+    core.add_request(greedy_request(prompt_of(10, 5), 8, "bad", grammars=[bad]))
     core.grammars.submit(bad).future.exception(timeout=60)
     errors = core.admit_constrained()
     assert [error.request_id for error in errors] == ["bad"]
@@ -166,17 +166,19 @@ def test_a_grammar_the_engine_cannot_build_fails_its_request_only(model_dir: str
 def test_equal_grammars_are_built_once(model_dir: str) -> None:
     core = make_core(model_dir)
     run_to_completion(core, [constrained("json", prompt_of(8 + i, i), f"j{i}") for i in range(4)])
-    assert core.grammars.num_built == 1
+    assert core.grammars.num_built == len(GRAMMARS["json"]) == 2  # the schema and its numbers
 
 
 def test_mask_leaves_only_the_grammars_tokens_and_unconstrained_rows_alone(
         model_dir: str, tokenizer) -> None:
-    from engine.grammar import GrammarCompiler, mask_logits
+    from engine.grammar import Constraint, GrammarCompiler, mask_logits
 
     compiler = GrammarCompiler(model_dir, 49152, frozenset({2}))
-    matcher = compiler.submit(grammar("choice", ["yes", "no"])).future.result(timeout=60)
+    (choice,) = grammar("choice", ["yes", "no"])
+    matcher = compiler.submit(choice).future.result(timeout=60)
     logits = torch.randn(3, 49152)
-    masked = mask_logits(logits.clone(), [matcher, None, matcher.deep_copy()])
+    masked = mask_logits(logits.clone(), [Constraint([matcher]), None,
+                                          Constraint([matcher.deep_copy()])])
     assert torch.equal(masked[1], logits[1])
     for row in (0, 2):
         allowed = torch.isfinite(masked[row]).nonzero().flatten().tolist()
@@ -184,3 +186,49 @@ def test_mask_leaves_only_the_grammars_tokens_and_unconstrained_rows_alone(
         assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
         assert torch.equal(masked[row][allowed], logits[row][allowed])
     compiler.close()
+
+
+def test_every_grammar_of_a_request_holds_at_once(model_dir: str, tokenizer) -> None:
+    """Two regexes whose intersection is narrower than either: only tokens both allow."""
+    both = grammar("regex", "[a-c]{1,6}") + grammar("regex", "[b-d]{2,4}")
+    requests = [AddRequest(f"both-{seed}", prompt_of(12, seed), SamplingParams(
+        max_tokens=20, temperature=1.0, seed=seed, grammars=both), 0.0) for seed in range(6)]
+    reasons: dict[str, str] = {}
+    outputs = run_to_completion(make_core(model_dir), requests, finish_reasons=reasons)
+    texts = {tokenizer.decode(outputs[request.request_id], skip_special_tokens=True)
+             for request in requests}
+    assert all(re.fullmatch("[bc]{2,4}", text) for text in texts), texts
+    assert set(reasons.values()) == {FinishReason.STOP}
+
+
+NUMBERS = {"type": "object", "properties": {"count": {"type": "integer"},
+                                            "ratio": {"type": "number"}},
+           "required": ["count", "ratio"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("spec", [NUMBERS, {"type": "array", "items": {"type": "number"}}],
+                         ids=["object", "array"])
+def test_numbers_end_even_when_digits_are_favoured(model_dir: str, tokenizer, spec) -> None:
+    """logit_bias pushes every digit up: an unbounded integer would run to max_tokens; the
+    bound grammar ends an integer at 19 digits and a number at 17 significant ones (an
+    array may still run on, number after bounded number)."""
+    digits = {tokenizer.convert_tokens_to_ids(str(digit)): 12.0 for digit in range(10)}
+    requests = [AddRequest(f"n-{seed}", prompt_of(10, seed), SamplingParams(
+        max_tokens=200, temperature=1.0, seed=seed, logit_bias=digits,
+        grammars=grammar("json", spec)), 0.0) for seed in range(4)]
+    reasons: dict[str, str] = {}
+    outputs = run_to_completion(make_core(model_dir), requests, finish_reasons=reasons)
+    numbers = []
+    for request in requests:
+        text = tokenizer.decode(outputs[request.request_id], skip_special_tokens=True)
+        numbers += re.findall(r"-?[0-9][0-9.eE+-]*", re.sub(r'"(\\.|[^"\\])*"', '""', text))
+        if spec is NUMBERS:
+            assert reasons[request.request_id] == FinishReason.STOP, text
+            jsonschema.validate(json.loads(text), NUMBERS)
+    assert numbers
+    for number in numbers:
+        mantissa = re.split("[eE]", number.lstrip("-"))[0]
+        if mantissa == number.lstrip("-"):  # an integer
+            assert len(mantissa) <= 19, number
+        else:
+            assert len(mantissa.replace(".", "").lstrip("0")) <= 17, number

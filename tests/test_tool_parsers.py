@@ -18,8 +18,7 @@ HERMES_REPLIES = {
     "plain text": ("It is sunny in <b>Paris</b>.", "It is sunny in <b>Paris</b>.", []),
     "bad json stays content": ("<tool_call>{oops}</tool_call>",
                                "<tool_call>{oops}</tool_call>", []),
-    "unclosed block stays content": (f"<tool_call>\n{CALL[:30]}",
-                                     f"<tool_call>\n{CALL[:30]}", []),
+    "whole but for its close marker": (f"<tool_call>\n{CALL}\n</tool_", None, ["get_weather"]),
     "marker prefix at the end": ("Hello <tool_ca", "Hello <tool_ca", []),
     "other layout, sent whole": ('<tool_call>{"arguments": {"city": "Paris; France", '
                                  '"unit": "celsius"}, "name": "get_weather"}</tool_call>',
@@ -78,6 +77,33 @@ def test_hermes_whole_and_streamed_in_every_split(case: str) -> None:
                 [(c.name, c.arguments) for c in whole.calls]
             assert reassembled(split.deltas) == [(c.id, c.name, c.arguments)
                                                  for c in split.calls]
+
+
+@pytest.mark.parametrize(("text", "content", "arguments"), [
+    (f"Let me see. <tool_call>\n{CALL[:30]}", "Let me see.", None),
+    (f"<tool_call>\n{CALL[:60]}", None, '{"city": "Paris; France'),
+    (f"<tool_call>\n{CALL[:-1]}", None, '{"city": "Paris; France", "unit": "celsius"}'),
+])
+def test_a_block_cut_short_is_never_content(text: str, content: str | None,
+                                            arguments: str | None) -> None:
+    """max_tokens cut the reply inside a call: named, the call keeps what was written (as
+    streamed); not yet named, it is dropped."""
+    whole = parse_reply("hermes", text)
+    assert (whole.content or None) == content
+    assert [call.arguments for call in whole.calls] == ([] if arguments is None else [arguments])
+    for cut in range(1, len(text)):
+        split = streamed("hermes", text, [cut])
+        assert split.content == whole.content
+        assert reassembled(split.deltas) == [(c.id, c.name, c.arguments) for c in split.calls]
+        assert [c.arguments for c in split.calls] == [c.arguments for c in whole.calls]
+
+
+def test_a_marker_begun_at_max_tokens_is_dropped_but_kept_at_a_stop() -> None:
+    text = f"<tool_call>\n{CALL}\n</tool_call>\n<tool"
+    cut = parse_reply("hermes", text, cut_short=True)
+    assert cut.content == "" and [call.name for call in cut.calls] == ["get_weather"]
+    assert parse_reply("hermes", text).content.strip() == "<tool"
+    assert parse_reply("hermes", "Say <tool", cut_short=True).content == "Say"
 
 
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'

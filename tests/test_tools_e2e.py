@@ -54,14 +54,20 @@ def assert_valid_call(call, names: set[str]) -> None:
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@pytest.mark.parametrize("tool_choice", ["required", "named"])
-def test_a_forced_call_is_valid_twenty_times_out_of_twenty(client: openai.OpenAI,
-                                                           tool_choice: str) -> None:
-    choice = tool_choice if tool_choice == "required" else {
-        "type": "function", "function": {"name": "get_time"}}
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize(("tool_choice", "parallel"), [
+    ("named", True), ("named", False), ("required", False)])
+def test_one_call_and_its_end_twenty_times_out_of_twenty(client: openai.OpenAI,
+                                                         tool_choice: str,
+                                                         parallel: bool) -> None:
+    """A named function, or parallel_tool_calls false: one call, then the reply ends."""
+    choice = NAMED_TIME if tool_choice == "named" else tool_choice
     completion = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
-        temperature=1.0, n=20, seed=11, max_completion_tokens=120)
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+        parallel_tool_calls=parallel, temperature=1.0, n=20, seed=11,
+        max_completion_tokens=120)
     names = {"get_time"} if tool_choice == "named" else set(SCHEMAS)
     for result in completion.choices:
         assert result.finish_reason == "tool_calls"
@@ -70,21 +76,48 @@ def test_a_forced_call_is_valid_twenty_times_out_of_twenty(client: openai.OpenAI
         assert_valid_call(call, names)
 
 
-def test_parallel_calls_are_all_valid(client: openai.OpenAI) -> None:
+def test_a_named_choice_streams_one_call_and_no_empty_chunk(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED_TIME, temperature=0,
+        max_completion_tokens=120, stream=True, stream_options={"include_usage": True}))
+    *choice_chunks, usage = chunks
+    assert usage.choices == [] and usage.usage.completion_tokens > 0
+    for chunk in choice_chunks:
+        delta = chunk.choices[0].delta
+        assert delta.content or delta.tool_calls or chunk.choices[0].finish_reason, chunk
+    parts = [part for chunk in choice_chunks for part in chunk.choices[0].delta.tool_calls or ()]
+    assert {part.index for part in parts} == {0}
+    assert [part.function.name for part in parts if part.function.name] == ["get_time"]
+    assert choice_chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert choice_chunks[0].choices[0].delta.role == "assistant"
+    assert_valid_call(openai.types.chat.ChatCompletionMessageToolCall(
+        id=parts[0].id, type="function", function={"name": "get_time", "arguments": "".join(
+            part.function.arguments for part in parts)}), {"get_time"})
+
+
+def test_required_parallel_calls_may_end_and_never_leave_a_call_in_content(
+        client: openai.OpenAI, capsys: pytest.CaptureFixture) -> None:
+    """Several calls allowed: whether the model ends before max_tokens is its choice
+    (reported, not asserted); a call cut short by max_tokens is never content."""
     completion = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0,
-        n=4, seed=5, max_completion_tokens=300)
+        n=20, seed=3, max_completion_tokens=150)
+    ended = 0
     for result in completion.choices:
-        assert result.message.tool_calls
-        for call in result.message.tool_calls:
+        assert result.message.content is None
+        calls = result.message.tool_calls
+        assert calls and result.finish_reason in ("tool_calls", "length")
+        ended += result.finish_reason == "tool_calls"
+        whole = calls if result.finish_reason == "tool_calls" else calls[:-1]
+        for call in whole:
             assert_valid_call(call, set(SCHEMAS))
+    with capsys.disabled():
+        print(f"\nrequired, parallel calls: {ended} of 20 replies ended before max_tokens")
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_whole_reply(client: openai.OpenAI) -> None:
     settings = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
                 "temperature": 0, "max_completion_tokens": 300}
-    """Parallel calls, greedy: SmolLM2 calls again and again until max_tokens cuts the last
-    block short, which comes back as content in both."""
     whole = client.chat.completions.create(**settings).choices[0]
     assert len(whole.message.tool_calls) >= 2
     calls: dict[int, dict] = {}
@@ -126,6 +159,26 @@ def test_tool_choice_none_gives_plain_text(client: openai.OpenAI) -> None:
                                             tool_choice="none", temperature=0,
                                             max_completion_tokens=40).choices[0]
     assert result.message.content and result.message.tool_calls is None
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_answers_in_text_or_whole_calls_and_streams_no_empty_chunk(
+        client: openai.OpenAI, parallel: bool) -> None:
+    """Under "auto" the grammar leaves text free; a call once begun is whole and valid."""
+    settings = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 1.0,
+                "max_completion_tokens": 100, "parallel_tool_calls": parallel}
+    for seed in range(4):
+        result = client.chat.completions.create(**settings, seed=seed).choices[0]
+        assert "<tool_call>" not in (result.message.content or "")
+        calls = result.message.tool_calls or []
+        assert len(calls) <= (8 if parallel else 1)
+        if result.finish_reason == "tool_calls":
+            for call in calls:
+                assert_valid_call(call, set(SCHEMAS))
+        stream = client.chat.completions.create(**settings, seed=seed, stream=True)
+        for chunk in stream:
+            delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason
+            assert delta.content or delta.tool_calls or finish, chunk
 
 
 def test_auto_reads_a_call_the_model_makes(client: openai.OpenAI) -> None:
@@ -189,3 +242,20 @@ def test_malformed_tool_request_is_a_400_naming_the_field(client: openai.OpenAI,
                                        messages=body.pop("messages"), extra_body=body)
     assert raised.value.body["param"] == param, raised.value.body
     assert client.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=3)
+
+
+def test_json_numbers_end_so_parse_succeeds(client: openai.OpenAI) -> None:
+    """The issue's case: without bounds SmolLM2 wrote a population of 150+ digits."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population: int
+
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris."}],
+        response_format=City, temperature=0, max_tokens=200)
+    city = completion.choices[0].message.parsed
+    assert completion.choices[0].finish_reason == "stop"
+    assert city is not None and abs(city.population) < 10**19
