@@ -13,7 +13,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from engine.cpp_build import kernel_supports
 from engine.cpu_elementwise_kernel import (
     load_elementwise,
     rows_of_contiguous_heads,
@@ -21,6 +20,7 @@ from engine.cpu_elementwise_kernel import (
     run_rotary,
     run_silu_and_mul,
 )
+from engine.kernels.build import kernel_supports
 
 CPP_ELEMENTWISE = os.environ.get("LOOM_CPP_ELEMENTWISE", "1") != "0"
 

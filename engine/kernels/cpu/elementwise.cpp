@@ -1,0 +1,102 @@
+#include "numerics.h"
+
+namespace {
+
+constexpr int64_t kParallelElems = 1 << 15;  // below this, one thread beats waking the rest
+
+// residual == nullptr: out = norm(src). Else residual = src + residual (rounded to T, as an
+// unfused add would store it) and out = norm(residual). out may be src.
+template <typename T>
+void add_rms_norm(const T* src, T* residual, const T* weight, T* out, int64_t rows,
+                  int64_t hidden, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * hidden >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = src + r * hidden;
+    T* res = residual ? residual + r * hidden : nullptr;
+    const T* normed = res ? res : x;
+    float squares = 0.f;
+    if (res) {
+      for (int64_t i = 0; i < hidden; ++i) store(res + i, to_float(x[i]) + to_float(res[i]));
+    }
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < hidden; ++i) squares += to_float(normed[i]) * to_float(normed[i]);
+    const float inv_rms = 1.f / std::sqrt(squares / float(hidden) + eps);
+    T* y = out + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i)
+      store(y + i, to_float(normed[i]) * inv_rms * to_float(weight[i]));
+  }
+}
+
+// gate_up rows are [gate (width) | up (width)]; out rows are silu(gate) * up.
+template <typename T>
+void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * width;
+    const T* up = gate + width;
+    T* y = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_float(gate[i]);
+      store(y + i, g / (1.f + fast_exp(-g)) * to_float(up[i]));
+    }
+  }
+}
+
+// In place on x [tokens, heads, dim] (rows `row_stride` apart): x * cos + rotate_half(x) * sin,
+// with rotate_half's sign folded into signed_sin ([-sin | sin]); cos, signed_sin [tokens, dim].
+template <typename T>
+void rotary(T* x, int64_t row_stride, int64_t tokens, int64_t heads, int64_t dim,
+            const T* cos, const T* signed_sin, int threads) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= kParallelElems)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos + t * dim;
+    const T* s = signed_sin + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + t * row_stride + h * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float first = to_float(v[i]), second = to_float(v[i + half]);
+        store(v + i, first * to_float(c[i]) + second * to_float(s[i]));
+        store(v + i + half, second * to_float(c[i + half]) + first * to_float(s[i + half]));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" void loom_rotary(int is_bf16, void* x, int64_t row_stride, int64_t tokens,
+                            int64_t heads, int64_t dim, const void* cos, const void* signed_sin,
+                            int threads) {
+  if (is_bf16)
+    rotary(static_cast<uint16_t*>(x), row_stride, tokens, heads, dim,
+           static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(signed_sin), threads);
+  else
+    rotary(static_cast<float*>(x), row_stride, tokens, heads, dim,
+           static_cast<const float*>(cos), static_cast<const float*>(signed_sin), threads);
+}
+
+extern "C" void loom_add_rms_norm(int is_bf16, const void* src, void* residual,
+                                  const void* weight, void* out, int64_t rows, int64_t hidden,
+                                  float eps, int threads) {
+  if (is_bf16)
+    add_rms_norm(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(residual),
+                 static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows,
+                 hidden, eps, threads);
+  else
+    add_rms_norm(static_cast<const float*>(src), static_cast<float*>(residual),
+                 static_cast<const float*>(weight), static_cast<float*>(out), rows, hidden, eps,
+                 threads);
+}
+
+extern "C" void loom_silu_and_mul(int is_bf16, const void* gate_up, void* out, int64_t rows,
+                                  int64_t width, int threads) {
+  if (is_bf16)
+    silu_and_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows,
+                 width, threads);
+  else
+    silu_and_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, width,
+                 threads);
+}
