@@ -22,15 +22,14 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 
-from common.config import EngineConfig, add_chat_args, add_engine_args
+from common.config import EngineConfig, add_engine_args
 from common.curve import SECRET_ENV, SecretMissing, load_secret
 from common.processes import core_slice, die_with_parent, env_for_cores
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
-from frontend.router import ROUTING_POLICIES
+from frontend.cli import API_KEY_ENV, add_frontend_args, positive_int
 
 STOP_TIMEOUT_S = 4.0
-API_KEY_ENV = "LOOM_API_KEY"
 ENGINE_READY_TIMEOUT_S = 600.0
 FRONTEND_READY_TIMEOUT_S = 120.0
 # Several engines: a dead one restarts after RESTART_BACKOFF_S, doubled after each restart
@@ -48,25 +47,12 @@ class StopRequested(Exception):
     """SIGTERM or Ctrl-C arrived."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python launch.py", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None,
                         help="local Hugging Face model directory (default: the embedded "
                              "SmolLM2-135M-Instruct, fetched and converted on first use)")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--shutdown-timeout", type=float, default=3.0,
-                        help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
-                             f"(default: ${API_KEY_ENV}; /health and /metrics stay open)")
-    parser.add_argument("--max-waiting-requests", type=positive_int, default=1024,
-                        help="requests waiting for the engine (each of n choices counts) "
-                             "beyond which new ones get 503 with Retry-After")
-    parser.add_argument("--max-body-bytes", type=positive_int, default=32 * 1024 * 1024,
-                        help="largest request body accepted; larger ones get 413")
+    add_frontend_args(parser)
     parser.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                         help="engine processes (replicas), each with its own KV cache and "
                              "its share of the CPU cores (or its own GPU), behind one frontend")
@@ -85,11 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"default: ${SECRET_ENV} (never a command-line value)")
     parser.add_argument("--headless", action="store_true",
                         help="start engines only, connecting to a frontend on another host")
-    parser.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
-                        help="how a request picks one of several engines: prefix affinity "
-                             "within a load bound (cache_aware), least loaded, round robin")
-    add_chat_args(parser)
     add_engine_args(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     size = args.data_parallel_size
     if args.data_parallel_size_local is None:
@@ -105,13 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.node_rank > 0 and not args.headless:
         parser.error("--node-rank above 0 runs tensor-parallel ranks only: add --headless")
     return args
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def say(message: str) -> None:

@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -16,25 +15,20 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import disable_created_metrics
 
-from common.config import add_chat_args
 from common.protocol import FrameError, Ready
-from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS
 from frontend.app import create_app
-from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
-from frontend.router import ROUTING_POLICIES
+from frontend.cli import add_frontend_args
 from frontend.state import STATE, EngineAddress, FrontendSettings
 
 logger = logging.getLogger("loom.frontend")
 
-API_KEY_ENV = "LOOM_API_KEY"
 # After the drain: how long aborted requests get to write their last event.
 ABORT_GRACE_S = 1.0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    add_frontend_args(parser)
     parser.add_argument(
         "--requests-addr",
         required=True,
@@ -49,49 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ZeroMQ address of an engine's output socket (we connect); once per engine",
     )
     parser.add_argument(
-        "--routing-policy",
-        default="cache_aware",
-        choices=ROUTING_POLICIES,
-        help="how a request picks one of several engines (frontend/router.py)",
-    )
-    parser.add_argument(
         "--model-dir",
         required=True,
         help="Hugging Face directory with the tokenizer and chat template",
     )
-    add_chat_args(parser)
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model name clients use (default: the engine's model name)",
-    )
     parser.add_argument(
         "--engine-info", default=None, help="JSON object of the engine's Ready fields"
-    )
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=1.0,
-        help="seconds open requests get to finish on SIGTERM/SIGINT",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
-        f"(default: ${API_KEY_ENV})",
-    )
-    parser.add_argument(
-        "--max-waiting-requests",
-        type=_positive_int,
-        default=DEFAULT_MAX_WAITING_REQUESTS,
-        help="requests (choices) waiting for the engine beyond which new ones get 503",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="largest request body accepted; larger ones get 413",
     )
     parser.add_argument(
         "--engine-pid",
@@ -101,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="an engine's process id, watched so that its exit is noticed at once; once per "
         "engine, in rank order",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if len(args.outputs_addr) != len(args.requests_addr):
         parser.error("give --requests-addr and --outputs-addr once per engine each")
@@ -113,13 +75,6 @@ def engine_addresses(args: argparse.Namespace) -> list[EngineAddress]:
     pids = args.engine_pid or [0] * len(args.requests_addr)  # 0: not watched (remote)
     return [EngineAddress(requests, outputs, pid or None) for requests, outputs, pid
             in zip(args.requests_addr, args.outputs_addr, pids, strict=True)]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_engine_info(text: str | None) -> Ready | None:
