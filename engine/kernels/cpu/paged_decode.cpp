@@ -26,11 +26,10 @@ inline void prefetch_l2(const void* ptr, int64_t bytes) {
 }
 
 // A task asks for this many bytes of its K and V into L2 at its start (a short context's
-// all), then one block more of each per block it reads; a block stored right after the one
-// before it is left to the hardware prefetcher. Over 30 layers, blocks scattered as a busy
-// cache scatters them: 64 decodes of 200 tokens 28 -> 21 ms, 16 of 2000 tokens 62 -> 42 ms,
-// one of 500 1.5 -> 1.2 ms, against the L1 prefetch alone; blocks in order: unchanged.
+// all), then one block more of each per block it reads (BlockPrefetch; measured in
+// docs/benchmarks.md, "Decode attention: an L2 prefetch window").
 constexpr int64_t kPrefetchL2Bytes = 128 << 10;
+constexpr int64_t kPrefetchAhead = 4;  // blocks into L1
 
 inline int64_t l2_window(int64_t span) {  // blocks of K (and as many of V) in the window
   return std::max<int64_t>(1, kPrefetchL2Bytes / (2 * span));
@@ -38,6 +37,43 @@ inline int64_t l2_window(int64_t span) {  // blocks of K (and as many of V) in t
 
 inline bool scattered(const int64_t* table, int64_t b) {
   return b == 0 || table[b] != table[b - 1] + 1;
+}
+
+// Where a task's blocks are fetched ahead of its walk (over K, then over V): at its start
+// the first `window` blocks of K and V into L2 (a block stored right after its predecessor
+// left to the hardware), and the first few of the cache walked into L1; then, per block b
+// read, block b + kPrefetchAhead into L1 and block b + window into L2.
+template <typename T, typename BlockPtr>
+struct BlockPrefetch {
+  const int64_t* table;
+  int64_t num_blocks, span, window;
+  BlockPtr block_ptr;  // (cache, block index) -> the task's stretch of that block
+
+  void l2_window_of(const T* k_cache, const T* v_cache) const {
+    for (int64_t b = 0; b < std::min(window, num_blocks); ++b) {
+      if (scattered(table, b)) {
+        prefetch_l2(block_ptr(k_cache, b), span);
+        prefetch_l2(block_ptr(v_cache, b), span);
+      }
+    }
+  }
+
+  void first_of(const T* cache) const {
+    for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
+      prefetch(block_ptr(cache, b), span);
+  }
+
+  void past(const T* cache, int64_t b) const {
+    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(cache, b + kPrefetchAhead), span);
+    if (b + window < num_blocks && scattered(table, b + window))
+      prefetch_l2(block_ptr(cache, b + window), span);
+  }
+};
+
+template <typename T, typename BlockPtr>
+BlockPrefetch<T, BlockPtr> block_prefetch(const int64_t* table, int64_t num_blocks,
+                                          int64_t span, BlockPtr block_ptr) {
+  return {table, num_blocks, span, l2_window(span), block_ptr};
 }
 
 // Each of `group` rows of `len` scores becomes exp(score - its max); inv_sums gets 1 / row sum.
@@ -57,7 +93,6 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len, const float*
 }
 
 constexpr int kMaxGroup = 16;
-constexpr int64_t kPrefetchAhead = 4;  // blocks into L1
 constexpr int64_t kRequestsPerThread = 4;  // from this many on, one task per request
 constexpr int kMaxDim = 256;
 
@@ -89,21 +124,13 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
   };
 
   const int64_t span = block_elems * int64_t(sizeof(T));
-  const int64_t window = l2_window(span);
-  for (int64_t b = 0; b < std::min(window, num_blocks); ++b) {
-    if (scattered(table, b)) {
-      prefetch_l2(block_ptr(k_cache, b), span);
-      prefetch_l2(block_ptr(v_cache, b), span);
-    }
-  }
-  for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(k_cache, b), span);
+  const auto ahead = block_prefetch<T>(table, num_blocks, span, block_ptr);
+  ahead.l2_window_of(k_cache, v_cache);
+  ahead.first_of(k_cache);
   float maxes[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) maxes[g] = -INFINITY;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(k_cache, b + kPrefetchAhead), span);
-    if (b + window < num_blocks && scattered(table, b + window))
-      prefetch_l2(block_ptr(k_cache, b + window), span);
+    ahead.past(k_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const T* keys = block_ptr(k_cache, b);
     for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(keys[i]);
@@ -136,17 +163,14 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
       }
   }
 
-  for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(v_cache, b), span);
+  ahead.first_of(v_cache);
   float inv_sums[kMaxGroup];
   softmax_rows(scores.data(), group, len, maxes, inv_sums);
 
   alignas(64) float acc[kMaxGroup][kMaxDim];
   for (int64_t g = 0; g < group; ++g) std::fill(acc[g], acc[g] + dim, 0.f);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(v_cache, b + kPrefetchAhead), span);
-    if (b + window < num_blocks && scattered(table, b + window))
-      prefetch_l2(block_ptr(v_cache, b + window), span);
+    ahead.past(v_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const T* values = block_ptr(v_cache, b);
     for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(values[i]);
@@ -216,19 +240,11 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
 
-  const int64_t window = l2_window(span);
-  for (int64_t b = 0; b < std::min(window, num_blocks); ++b) {
-    if (scattered(table, b)) {
-      prefetch_l2(block_ptr(k_cache, b), span);
-      prefetch_l2(block_ptr(v_cache, b), span);
-    }
-  }
-  for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(k_cache, b), span);
+  const auto ahead = block_prefetch<T>(table, num_blocks, span, block_ptr);
+  ahead.l2_window_of(k_cache, v_cache);
+  ahead.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(k_cache, b + kPrefetchAhead), span);
-    if (b + window < num_blocks && scattered(table, b + window))
-      prefetch_l2(block_ptr(k_cache, b + window), span);
+    ahead.past(k_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h) {
       const T* keys = block_ptr(k_cache, b) + h * block_elems;
@@ -252,14 +268,11 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
     }
   }
 
-  for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
-    prefetch(block_ptr(v_cache, b), span);
+  ahead.first_of(v_cache);
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
 
   for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(v_cache, b + kPrefetchAhead), span);
-    if (b + window < num_blocks && scattered(table, b + window))
-      prefetch_l2(block_ptr(v_cache, b + window), span);
+    ahead.past(v_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h) {
       const T* values = block_ptr(v_cache, b) + h * block_elems;
