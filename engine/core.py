@@ -270,7 +270,9 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             waiting = self.awaiting_grammar.pop(request_id, None)
-            for grammar in waiting.request.sampling.grammars if waiting is not None else ():
+            if waiting is None:
+                continue
+            for grammar in waiting.request.sampling.grammars:
                 if not self._grammar_awaited(grammar):
                     self.grammars.forget(grammar)
         for request in self.scheduler.abort(request_ids):

@@ -15,6 +15,7 @@ tokenizer and masks every sampled token by all of them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -119,12 +120,23 @@ def build_grammars(structured: StructuredOutput) -> list[str]:
             raise
         logger.info("%s left unconstrained: %s", structured.param, exc.message)
         return []
-    bound = structured.number_bound
-    if structured.kind == "json":
-        bound = number_bound_grammar([structured.spec])
+    bound = (number_bound_grammar([structured.spec]) if structured.kind == "json"
+             else structured.number_bound)
     if bound is not None:
-        grammars.append(_validated(structured.param, "grammar", bound))
+        error = _bound_error(bound)
+        if error:
+            raise invalid_param(structured.param, f"Invalid grammar: {error.strip()}")
+        grammars.append(bound)
     return grammars
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_error(grammar: str) -> str:
+    """llguidance's verdict on a number-bound grammar: one of a few texts, checked once each
+    rather than per request."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)
 
 
 def build_grammar(structured: StructuredOutput) -> str:
@@ -154,12 +166,6 @@ def build_grammar(structured: StructuredOutput) -> str:
                    else _grammar_from_ebnf(param, spec))
     else:  # pragma: no cover - the callers pass known kinds only
         raise APIError(f"unknown structured output kind {kind!r}")
-    return _validated(param, kind, grammar)
-
-
-def _validated(param: str, kind: str, grammar: str) -> str:
-    from llguidance import LLMatcher
-
     if len(grammar.encode()) > MAX_STRING_BYTES:
         raise invalid_param(param, f"The {_KIND_NAMES[kind]} makes a grammar of more than "
                                    f"{MAX_STRING_BYTES // 2**20} MiB; this server takes no larger.")
