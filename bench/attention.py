@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from engine import attention
-from engine.attention import AttentionMetadata, paged_attention, reference_attention, write_kv
+from engine.attention import paged_attention, reference_attention, write_kv
+from engine.attention_metadata import AttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

@@ -27,7 +27,7 @@ from bench.datasets.prompts_file import load_prompts
 from common.config import EngineConfig
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
-from engine.attention import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata
 from engine.core import EngineCore
 from engine.forward_context import forward_context
 from engine.loader import cpu_flags

@@ -9,32 +9,40 @@ attends each request's queries over its whole context (cached blocks + the new
 tokens, causally).
 
 Everything derivable from the metadata alone (decode/prefill split, gather
-indices, masks) is planned once per step and shared by all layers. Where the
-small C++ kernel is enabled and compiles, it reads the paged cache in place for
-every request with one new token ("decodes") and for every row of the prefill
-chunks up to KERNEL_PREFILL_MAX_TOKENS, each row a decode over its own causal
-prefix. Otherwise decodes take one gather into a reused buffer with the query
-heads of each KV head folded into one attention call, and prefill chunks use
-SDPA's fused causal kernel, with a causal-offset mask when they sit on cached
-tokens. The torch decode path reads
-padding slots past a request's context and masks them out, so the caches must
-hold finite values everywhere: allocate them with `torch.zeros`.
+indices, masks) is planned once per step and shared by all layers
+(engine.attention_metadata). Where the small C++ kernel is enabled and compiles,
+it reads the paged cache in place for every request with one new token
+("decodes") and for every row of the prefill chunks up to
+KERNEL_PREFILL_MAX_TOKENS, each row a decode over its own causal prefix.
+Otherwise decodes take one gather into a reused buffer with the query heads of
+each KV head folded into one attention call, and prefill chunks use SDPA's fused
+causal kernel, with a causal-offset mask when they sit on cached tokens. The
+torch decode path reads padding slots past a request's context and masks them
+out, so the caches must hold finite values everywhere: allocate them with
+`torch.zeros`.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import logging
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention_metadata import (
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillChunk,
+    Workspace,
+    additive_mask,
+    cache_rows,
+    causal_rows,
+    decode_buckets,
+)
 from engine.cpu_decode_kernel import (
     kernel_supports,
     load_cpp_decode,
@@ -44,7 +52,7 @@ from engine.cpu_decode_kernel import (
 )
 from engine.cpu_elementwise_kernel import rows_of_contiguous_heads
 from engine.forward_context import current_metadata
-from engine.host_copy import device_tensor, int_tensor
+from engine.host_copy import device_tensor
 from engine.linear import native_bf16_matmul
 from engine.triton_attention import QueryRows
 from engine.triton_attention import paged_attention as triton_attention
@@ -52,368 +60,15 @@ from engine.triton_attention import write_kv as triton_write_kv
 
 logger = logging.getLogger(__name__)
 
-# Decode buckets (torch path): requests sorted by context length and padded per bucket.
-MAX_DECODE_BUCKETS = 4
-# The cost of one more bucket (a few more small kernels) in units of one request-block of
-# gathered K/V; it decides how many buckets pay off.
-BUCKET_OVERHEAD_BLOCKS = 96
 # How a decode bucket is computed on the torch path: "auto" takes explicit matmuls where the
 # CPU has native GEMMs for the dtype (fp32; bf16 with AVX512-BF16/AMX), else SDPA's kernel.
 DECODE_KERNEL: Literal["auto", "matmul", "sdpa"] = "auto"
 # The C++ paged-decode kernel (CPU, fp32/bf16); LOOM_CPP_DECODE=0 turns it off.
 CPP_DECODE = os.environ.get("LOOM_CPP_DECODE", "1") != "0"
-# Prefill chunks up to this many tokens go through that kernel too, each query row as a decode
-# over its own causal prefix: no masked rectangle on cached tokens, and on 2 cores several
-# times faster than one SDPA call per short prompt. Longer fresh chunks keep SDPA's kernel.
-KERNEL_PREFILL_MAX_TOKENS = 512
 # On CUDA with triton installed, one Triton launch per layer writes the KV and one attends
 # (engine.triton_attention); LOOM_TRITON_ATTENTION=0 keeps the torch path there.
 TRITON_ATTENTION = os.environ.get("LOOM_TRITON_ATTENTION", "1") != "0"
 
-
-class Workspace:
-    """Grow-only scratch buffers reused across layers and steps.
-
-    Large temporaries get fresh pages from the OS on every allocation, so the
-    gathered K/V live in persistent flat buffers handed out as views.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
-
-    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (name, dtype, device, torch.is_inference_mode_enabled())
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buffer
-        return buffer[:numel]
-
-
-DEFAULT_WORKSPACE = Workspace()
-
-
-@dataclass(slots=True)
-class DecodeBucket:
-    """Decodes with similar context lengths, padded to one number of blocks (torch path)."""
-
-    rows: torch.Tensor  # [n] int64: rows of q served by this bucket
-    row_range: tuple[int, int] | None  # the same rows when they are one ascending run
-    block_ids: torch.Tensor  # [n, num_blocks] int64, padded with block 0
-    visible: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: key inside the context
-    biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks
-
-    @property
-    def size(self) -> int:
-        return self.rows.numel()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_ids.shape[1]
-
-
-@dataclass(slots=True)
-class DecodeBatch:
-    """Every request with a single new token; it attends its whole context."""
-
-    rows: list[int]  # their rows of q
-    seq_lens: list[int]
-    row_index: torch.Tensor  # [n] int64, the rows on device
-    lens: torch.Tensor  # [n] int64
-    block_tables: torch.Tensor  # [n, max_blocks] int64 (rows may be strided)
-    max_block: int  # the largest block id in their tables
-    buckets: list[DecodeBucket] | None = None  # torch path, planned on first use
-
-    @property
-    def size(self) -> int:
-        return len(self.rows)
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    """A request with several new tokens; on cached tokens it reads its blocks under a mask."""
-
-    request: int  # its index in the metadata
-    start: int  # its queries are rows [start, end) of q
-    end: int
-    seq_len: int
-    block_ids: torch.Tensor | None  # [num_blocks] int64 when it sits on cached tokens
-    mask: torch.Tensor | None  # [query_len, seq_len] bool: key j visible to query i
-    biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks
-
-    @property
-    def has_cached_prefix(self) -> bool:
-        return self.block_ids is not None
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """Everything derivable from the metadata alone, shared by every layer of a step."""
-
-    block_size: int
-    decodes: DecodeBatch | None
-    prefills: list[PrefillChunk]
-    # The C++ kernel's rows: every decode, then every row of the short prefill chunks
-    kernel_rows: DecodeBatch | None = None
-    kernel_prefills: frozenset[int] = frozenset()  # requests whose chunk is among them
-
-    def kernel_covers(self, chunk: PrefillChunk) -> bool:
-        return chunk.request in self.kernel_prefills
-
-
-@dataclass(slots=True)
-class HeadPlan:
-    """The step plan expanded for one number of KV heads: row indices into the caches."""
-
-    write_rows: torch.Tensor  # [T * num_kv_heads]: cache row of each new (token, head)
-    max_write_row: int  # the largest of them (-1 when none): one bounds check per step
-    gather_rows: torch.Tensor  # [R]: (block, head) rows to gather, all segments in order
-    decode_starts: list[int]  # gather-buffer row offset of each decode bucket
-    prefill_starts: list[int]  # ... of each prefill chunk on a cached prefix
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    query_start_loc: list[int]  # [B + 1]: request i's queries are rows [s_i, s_{i+1}) of q
-    seq_lens: list[int]  # [B]: context length of request i after this step (cached + new)
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int64 on device, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64 on device: block_id * block_size + offset per new token
-    plan: StepPlan | None = None  # made by the first layer that needs it (`step_plan`)
-    workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
-    head_plans: dict[tuple[int, bool], HeadPlan] = field(default_factory=dict)
-    triton_rows: QueryRows | None = None  # the Triton kernels' per-row view, made once a step
-    # Recorded into a CUDA graph (engine.cuda_graphs): only the tensors above are the step's,
-    # the lists are the recording's, so attention takes the Triton path, which reads no list.
-    static: bool = False
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def query_lens(self) -> list[int]:
-        starts = self.query_start_loc
-        return [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-
-    @property
-    def num_decodes(self) -> int:
-        return self.query_lens.count(1)
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        slot_mapping: list[int],
-        block_size: int,
-        device: torch.device | str,
-        workspace: Workspace | None = None,
-    ) -> AttentionMetadata:
-        """One step's metadata. The plan every layer reuses is made by the first layer that
-        needs it (the Triton path needs none: planning would only cost it device syncs)."""
-        for table, seq_len in zip(block_tables, seq_lens, strict=True):
-            if len(table) * block_size < seq_len:
-                raise ValueError(f"a block table of {len(table)} blocks for {seq_len} tokens")
-        device = torch.device(device)
-        width = max(map(len, block_tables), default=0)
-        padded = itertools.chain.from_iterable(
-            itertools.chain(table, itertools.repeat(0, width - len(table)))
-            for table in block_tables)
-        metadata = cls(
-            query_start_loc=[0, *itertools.accumulate(query_lens)],
-            seq_lens=list(seq_lens),
-            block_tables=int_tensor(padded, device).view(len(block_tables), width),
-            slot_mapping=int_tensor(slot_mapping, device),
-            workspace=workspace or DEFAULT_WORKSPACE,
-        )
-        return metadata
-
-    def step_plan(self, block_size: int) -> StepPlan:
-        if self.static:
-            raise RuntimeError("a graph-recorded step has no plan: its lists are not the step's")
-        if self.plan is None:
-            self.plan = plan_step(self, block_size)
-        if self.plan.block_size != block_size:
-            raise ValueError(f"metadata planned for blocks of {self.plan.block_size} tokens, "
-                             f"the cache has {block_size}")
-        return self.plan
-
-    def head_plan(self, num_kv_heads: int, block_size: int, kernel: bool) -> HeadPlan:
-        """`kernel`: the C++ kernel serves the plan's kernel rows, which need no gathering."""
-        key = (num_kv_heads, kernel)
-        if key not in self.head_plans:
-            plan = self.step_plan(block_size)
-            self.head_plans[key] = expand_for_heads(plan, self.slot_mapping, num_kv_heads,
-                                                    kernel)
-        return self.head_plans[key]
-
-
-# ---------------------------------------------------------------- planning, once per step
-
-
-def blocks_for(seq_len: int, block_size: int) -> int:
-    return -(-seq_len // block_size)
-
-
-def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
-    query_lens = metadata.query_lens
-    if metadata.block_tables.shape[1] * block_size < max(metadata.seq_lens, default=0):
-        raise ValueError("block tables are narrower than the longest context")
-    decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
-    prefill_ids = [i for i, query_len in enumerate(query_lens) if query_len > 1]
-    prefills = [plan_prefill(metadata, i, block_size) for i in prefill_ids]
-    decodes = plan_decodes(metadata, decode_ids) if decode_ids else None
-    short = [i for i in prefill_ids if query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS]
-    kernel_rows = decodes
-    if short:
-        kernel_rows = plan_rows(metadata, decode_ids + short)
-    return StepPlan(block_size, decodes, prefills, kernel_rows, frozenset(short))
-
-
-def plan_decodes(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
-    device = metadata.block_tables.device
-    if ids == list(range(len(ids))):  # the runner's order: decodes first
-        block_tables = metadata.block_tables[:len(ids)]
-    else:
-        block_tables = metadata.block_tables[int_tensor(ids, device)]
-    rows = [metadata.query_start_loc[i] for i in ids]
-    seq_lens = [metadata.seq_lens[i] for i in ids]
-    return DecodeBatch(rows, seq_lens, int_tensor(rows, device), int_tensor(seq_lens, device),
-                       block_tables, int(block_tables.max()))
-
-
-def plan_rows(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
-    """Every query row of the requests `ids`, each as a decode over its causal prefix."""
-    device = metadata.block_tables.device
-    rows, seq_lens, owners = causal_rows(metadata, ids)
-    block_tables = metadata.block_tables.index_select(0, int_tensor(owners, device))
-    return DecodeBatch(rows, seq_lens, int_tensor(rows, device), int_tensor(seq_lens, device),
-                       block_tables, int(block_tables.max()))
-
-
-def causal_rows(metadata: AttentionMetadata, ids: Iterable[int],
-                ) -> tuple[list[int], list[int], list[int]]:
-    """Every query row of the requests `ids` as a decode over its causal prefix: (its row
-    of q, how many tokens it sees, its request)."""
-    rows: list[int] = []
-    seq_lens: list[int] = []
-    owners: list[int] = []
-    for i in ids:
-        start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-        first_len = metadata.seq_lens[i] - (end - start) + 1
-        rows.extend(range(start, end))
-        seq_lens.extend(range(first_len, first_len + end - start))
-        owners.extend(itertools.repeat(i, end - start))
-    return rows, seq_lens, owners
-
-
-def plan_prefill(metadata: AttentionMetadata, i: int, block_size: int) -> PrefillChunk:
-    start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-    seq_len, query_len = metadata.seq_lens[i], end - start
-    if seq_len == query_len:
-        return PrefillChunk(i, start, end, seq_len, None, None)
-    device = metadata.block_tables.device
-    positions = torch.arange(seq_len - query_len, seq_len, device=device)
-    mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
-    block_ids = metadata.block_tables[i, :blocks_for(seq_len, block_size)]
-    return PrefillChunk(i, start, end, seq_len, block_ids, mask)
-
-
-def decode_buckets(batch: DecodeBatch, block_size: int) -> list[DecodeBucket]:
-    if batch.buckets is None:
-        batch.buckets = plan_decode_buckets(batch, block_size)
-    return batch.buckets
-
-
-def plan_decode_buckets(batch: DecodeBatch, block_size: int) -> list[DecodeBucket]:
-    order = sorted(range(batch.size), key=batch.seq_lens.__getitem__)
-    sorted_blocks = [blocks_for(batch.seq_lens[j], block_size) for j in order]
-    bounds = choose_bucket_bounds(sorted_blocks, MAX_DECODE_BUCKETS)
-    if len(bounds) == 2:
-        order = list(range(batch.size))  # one bucket: keep the runner's order
-    return [make_decode_bucket(batch, order[lo:hi], block_size)
-            for lo, hi in itertools.pairwise(bounds) if hi > lo]
-
-
-def choose_bucket_bounds(sorted_blocks: list[int], max_buckets: int) -> list[int]:
-    """Equal-count split points into ascending block counts minimising padding + overhead."""
-    n = len(sorted_blocks)
-    best_cost, best_bounds = None, [0, n]
-    for k in range(1, min(max_buckets, n) + 1):
-        bounds = [round(j * n / k) for j in range(k + 1)]
-        padded = sum((hi - lo) * sorted_blocks[hi - 1]
-                     for lo, hi in itertools.pairwise(bounds) if hi > lo)
-        cost = padded + k * BUCKET_OVERHEAD_BLOCKS
-        if best_cost is None or cost < best_cost:
-            best_cost, best_bounds = cost, bounds
-    return best_bounds
-
-
-def make_decode_bucket(batch: DecodeBatch, members: list[int], block_size: int) -> DecodeBucket:
-    """A bucket of the batch's decodes `members` (indices into the batch)."""
-    device = batch.row_index.device
-    rows = [batch.rows[j] for j in members]
-    num_blocks = max(blocks_for(batch.seq_lens[j], block_size) for j in members)
-    if members == list(range(members[0], members[0] + len(members))):
-        picked = slice(members[0], members[0] + len(members))
-        block_ids, lens = batch.block_tables[picked], batch.lens[picked]
-    else:
-        index = int_tensor(members, device)
-        block_ids, lens = batch.block_tables[index], batch.lens[index]
-    visible = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-    is_run = rows == list(range(rows[0], rows[0] + len(rows)))
-    return DecodeBucket(
-        rows=int_tensor(rows, device),
-        row_range=(rows[0], rows[0] + len(rows)) if is_run else None,
-        block_ids=block_ids[:, :num_blocks].contiguous(),
-        visible=visible[:, None, None, :],
-    )
-
-
-def additive_mask(
-    visible: torch.Tensor, dtype: torch.dtype, cache: dict[torch.dtype, torch.Tensor],
-) -> torch.Tensor:
-    """0 / -inf in `dtype`, made once per step: SDPA would convert a bool mask every call."""
-    if dtype not in cache:
-        zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        cache[dtype] = zeros.masked_fill_(~visible, float("-inf"))
-    return cache[dtype]
-
-
-def expand_for_heads(
-    plan: StepPlan, slot_mapping: torch.Tensor, num_kv_heads: int, kernel: bool,
-) -> HeadPlan:
-    """Block ids -> rows of the cache viewed as [num_blocks * num_kv_heads, block_size, D]."""
-    heads = torch.arange(num_kv_heads, dtype=torch.int64, device=slot_mapping.device)
-    decode_pieces = []
-    if not kernel and plan.decodes is not None:
-        decode_pieces = [(bucket.block_ids[:, None, :] * num_kv_heads + heads[None, :, None])
-                         .flatten() for bucket in decode_buckets(plan.decodes, plan.block_size)]
-    prefill_pieces = [(chunk.block_ids[None, :] * num_kv_heads + heads[:, None]).flatten()
-                      for chunk in plan.prefills if chunk.block_ids is not None
-                      and not (kernel and plan.kernel_covers(chunk))]
-    pieces = decode_pieces + prefill_pieces
-    starts = [0, *itertools.accumulate(piece.numel() for piece in pieces)]
-    write_rows = cache_rows(slot_mapping, plan.block_size, num_kv_heads)
-    return HeadPlan(
-        write_rows=write_rows,
-        max_write_row=int(write_rows.max()) if write_rows.numel() else -1,
-        gather_rows=torch.cat(pieces) if pieces else heads[:0],
-        decode_starts=starts[:len(decode_pieces)],
-        prefill_starts=starts[len(decode_pieces):len(pieces)],
-    )
-
-
-def cache_rows(slot_mapping: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
-    """Row of each (token, kv head) in the cache viewed as [num_blocks * H * block_size, D]."""
-    heads = torch.arange(num_kv_heads, dtype=torch.int64, device=slot_mapping.device)
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    return ((blocks[:, None] * num_kv_heads + heads[None, :]) * block_size
-            + offsets[:, None]).flatten()
-
-
-# ---------------------------------------------------------------- per layer
 
 
 def write_kv(

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import AttentionMetadata, blocks_for
+from engine.attention_metadata import AttentionMetadata, blocks_for
 from engine.forward_context import forward_context
 from engine.triton_attention import QueryRows
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata
 from engine.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.cuda_graphs import DecodeGraphs, Recorder
 from engine.forward_context import forward_context

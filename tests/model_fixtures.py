@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata
 
 TINY_LLAMA: dict[str, Any] = {
     "hidden_size": 64,
