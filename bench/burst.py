@@ -42,11 +42,9 @@ from bench.datasets import BenchTokenizer, DatasetSpec, SampleRequest, build_dat
 from bench.datasets.prompts_file import load_prompts
 from bench.launched import LoomServer
 from bench.metrics import Distribution, HistogramView, RequestRecord, histogram_view
+from bench.run_result import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, ServeConfig
 from bench.serve import (
-    CHAT_ENDPOINT,
-    COMPLETIONS_ENDPOINT,
     STREAM_READ_TIMEOUT_S,
-    ServeConfig,
     _warm_up,
     default_tokenizer_dir,
     fetch_metrics,

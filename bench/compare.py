@@ -33,9 +33,8 @@ from pathlib import Path
 from bench.datasets import BenchTokenizer, SampleRequest, build_dataset
 from bench.launched import LoomServer
 from bench.peer import PeerServer
+from bench.run_result import CHAT_ENDPOINT, RunResult
 from bench.serve import (
-    CHAT_ENDPOINT,
-    RunResult,
     add_request_args,
     add_workload_args,
     dataset_spec,

@@ -14,7 +14,7 @@ from bench.metrics import RequestRecord, concurrency_steps
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from bench.serve import RunResult
+    from bench.run_result import RunResult
 
 MIN_BIN_S = 0.05
 TIME_BINS = 60

@@ -14,13 +14,8 @@ import pytest
 from bench.datasets import BenchTokenizer, DatasetSpec, build_dataset
 from bench.launched import REPO_ROOT, LoomServer
 from bench.metrics import Slo, histogram_view, parse_prometheus
-from bench.serve import (
-    CHAT_ENDPOINT,
-    COMPLETIONS_ENDPOINT,
-    ServeConfig,
-    arrival_offsets,
-    run_benchmark,
-)
+from bench.run_result import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, ServeConfig
+from bench.serve import arrival_offsets, run_benchmark
 from tests.canned_server import CannedSettings, running
 from tests.tiny_server import build_answer_model
 
