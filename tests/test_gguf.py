@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from bench.launched import REPO_ROOT
-from common.default_model import default_gguf_file, unpermute_rotary
+from common.default_model import default_gguf_file
+from common.gguf_convert import unpermute_rotary
 from common.gguf_model import prepare_gguf
 from common.sockets import free_port
 from engine.gguf_file import GGUFTensor, read_tensors
