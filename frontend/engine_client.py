@@ -13,9 +13,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -36,6 +34,14 @@ from common.protocol import (
 )
 from common.sockets import is_tcp, make_socket
 from frontend.metrics import LoomMetrics
+from frontend.request_stream import (
+    EngineBusyError,
+    EngineDeadError,
+    QueueItem,
+    RequestStream,
+    ShuttingDownError,
+    StreamFailure,
+)
 
 logger = logging.getLogger("loom.frontend.engine")
 
@@ -47,37 +53,6 @@ DISCONNECT_GRACE_S = 0.2
 SHUTDOWN_LINGER_MS = 200
 # A refused engine retries every 100 ms: one log line per this many seconds.
 REFUSAL_LOG_INTERVAL_S = 60.0
-
-
-class EngineUnavailableError(RuntimeError):
-    """The request cannot be served: no engine, or the server is going away."""
-
-
-class EngineDeadError(EngineUnavailableError):
-    """The engine went away while requests were in flight, or before they were sent."""
-
-
-class ShuttingDownError(EngineUnavailableError):
-    """The server stopped waiting for the request while shutting down."""
-
-
-class EngineBusyError(RuntimeError):
-    """The request socket's queue is full: the engine is not reading."""
-
-
-class EngineRequestError(RuntimeError):
-    """The engine rejected or failed one request."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    """Queue item: the request ends with an error without the engine finishing it."""
-
-    error: EngineUnavailableError
-    engine_gone: bool  # False: the engine still runs the request and must be told to ABORT
-
-
-QueueItem = RequestOutput | RequestError | _Failure
 
 
 class EngineClient:
@@ -183,7 +158,7 @@ class EngineClient:
         except BaseException:
             del self._queues[request.request_id]
             raise
-        return RequestStream(self, request.request_id, queue)
+        return RequestStream(request.request_id, queue, self._release)
 
     def abort(self, request_ids: list[str]) -> None:
         """ABORT requests; their iterators end with finish_reason "abort"."""
@@ -215,7 +190,7 @@ class EngineClient:
         gets their ABORTs."""
         self._shutting_down = reason
         for queue in self._queues.values():
-            queue.put_nowait(_Failure(ShuttingDownError(reason), engine_gone=False))
+            queue.put_nowait(StreamFailure(ShuttingDownError(reason), engine_gone=False))
 
     async def engine_exited_with(self, reason: str) -> None:
         """The engine process is gone (its sentinel fired): fail whatever is in flight."""
@@ -331,7 +306,7 @@ class EngineClient:
         await asyncio.sleep(DISCONNECT_GRACE_S)
         if not self.engine_dead:
             return
-        failure = _Failure(EngineDeadError(f"The engine stopped: {reason}."), engine_gone=True)
+        failure = StreamFailure(EngineDeadError(f"The engine stopped: {reason}."), engine_gone=True)
         for queue in self._queues.values():
             queue.put_nowait(failure)
 
@@ -356,77 +331,3 @@ class EngineKeyCheck:
         logger.error("refused an engine for rank %d: its key is not the shared secret's",
                      self.rank)
         return False
-
-
-class RequestStream:
-    """One request's outputs, as an async iterator that ends after the finishing output.
-
-    Outputs that queued up while the consumer was busy are merged into one. Closing the
-    stream (or leaving its `async with`) before the engine finished the request ABORTs it.
-    """
-
-    def __init__(self, client: EngineClient, request_id: str, queue: asyncio.Queue) -> None:
-        self._client = client
-        self.request_id = request_id
-        self._queue: asyncio.Queue[QueueItem] = queue
-        self._stash: deque[QueueItem] = deque()  # an item that ended a merge, handled next
-        self.finished = False
-        self._failed = False  # a failure ends the iteration even where finished is False
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    @property
-    def num_pending(self) -> int:
-        """Items routed to this stream and not read yet."""
-        return self._queue.qsize() + len(self._stash)
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self._failed:
-            raise StopAsyncIteration
-        item = self._stash.popleft() if self._stash else await self._queue.get()
-        if isinstance(item, _Failure):
-            self.finished = item.engine_gone
-            self._failed = True
-            raise item.error
-        if isinstance(item, RequestError):
-            self.finished = True
-            raise EngineRequestError(item.reason)
-        assert isinstance(item, RequestOutput)
-        output = item
-        while output.finish_reason is None and not self._queue.empty():
-            queued = self._queue.get_nowait()
-            if not isinstance(queued, RequestOutput):
-                self._stash.append(queued)
-                break
-            output = _merge(output, queued)
-        self.finished = output.finish_reason is not None
-        return output
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._client._release(self.request_id, abort=not self.finished)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
-    logprobs = None
-    if first.logprobs is not None or second.logprobs is not None:
-        # An output without tokens (an ABORT marker) carries no logprobs either.
-        logprobs = (first.logprobs or []) + (second.logprobs or [])
-    return RequestOutput(
-        first.request_id,
-        first.new_token_ids + second.new_token_ids,
-        second.finish_reason,
-        max(first.num_cached_tokens, second.num_cached_tokens),
-        logprobs,
-        first.queue_time_s if first.queue_time_s is not None else second.queue_time_s,
-    )

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.protocol import Ready
-from frontend.engine_client import EngineClient, EngineDeadError
+from frontend.engine_client import EngineClient
 from frontend.metrics import LoomMetrics
+from frontend.request_stream import EngineDeadError
 from frontend.router import Router
 
 # vLLM's coordinator scores an engine as 4 x waiting + running.

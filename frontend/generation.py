@@ -15,13 +15,9 @@ from typing import Any
 
 from common.protocol import AddRequest, FinishReason
 from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import (
-    EngineClient,
-    EngineRequestError,
-    EngineUnavailableError,
-    RequestStream,
-)
+from frontend.engine_client import EngineClient
 from frontend.request_metrics import ERROR, RequestTimer
+from frontend.request_stream import EngineRequestError, EngineUnavailableError, RequestStream
 from frontend.stop_strings import StopStringMatcher
 
 

@@ -16,15 +16,15 @@ from aiohttp import web
 from frontend.body_reader import parse_json_object
 from frontend.choices import choice_requests, total_usage
 from frontend.context_limit import ContextLimit
-from frontend.engine_client import (
+from frontend.errors import APIError, engine_unavailable, invalid_param, shutting_down
+from frontend.generation import Delta, Generation
+from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
+from frontend.request_stream import (
     EngineBusyError,
     EngineRequestError,
     EngineUnavailableError,
     ShuttingDownError,
 )
-from frontend.errors import APIError, engine_unavailable, invalid_param, shutting_down
-from frontend.generation import Delta, Generation
-from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
 from frontend.responses import ChatFormat, CompletionFormat, ResponseFormat
 from frontend.schemas import (
     ChatRequest,

@@ -18,8 +18,9 @@ from common.protocol import (
 )
 from common.sampling import SamplingParams
 from common.sockets import Endpoints, free_port
-from frontend.engine_client import EngineClient, EngineDeadError, EngineRequestError
+from frontend.engine_client import EngineClient
 from frontend.engine_pool import EnginePool
+from frontend.request_stream import EngineDeadError, EngineRequestError
 from frontend.router import Router
 from tests.fake_engine import FakeEngine, fake_logprobs
 

@@ -26,9 +26,10 @@ from common.protocol import (
 )
 from common.sampling import SamplingParams
 from common.sockets import Endpoints
-from frontend.engine_client import EngineClient, EngineRequestError
+from frontend.engine_client import EngineClient
 from frontend.generation import Generation
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
+from frontend.request_stream import EngineRequestError
 from frontend.token_texts import TokenTexts
 from tests.fake_engine import build_test_tokenizer
 
