@@ -346,7 +346,7 @@ def engine_env(base: dict[str, str], local: int, count: int,
 def serve_tensor_parallel_ranks(args: argparse.Namespace, model_dir: str) -> int:
     """A node other than 0 of a tensor-parallel engine: its ranks join node 0's rendezvous
     and run until the engine stops them (exit 0) or the group breaks (non-zero)."""
-    from engine.tensor_parallel import WorkerRanks, rank_layout
+    from engine.distributed.tensor_parallel import WorkerRanks, rank_layout
 
     try:
         config = EngineConfig.from_args(args, model_dir)

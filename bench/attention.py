@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import attention
-from engine.attention import paged_attention, reference_attention, write_kv
-from engine.attention_metadata import AttentionMetadata
+from engine.attention import paged as attention
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.paged import paged_attention, reference_attention, write_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

@@ -20,9 +20,10 @@ import torch
 
 from bench.attention import median_ms
 from common.default_model import resolve_model
-from engine.cpu_w8a8_kernel import quantize_rows
-from engine.loader import kernel_flags, load_model
-from engine.quantized_linear import W8A8Linear
+from engine.kernels.w8a8 import quantize_rows
+from engine.platform.cpu import kernel_flags
+from engine.quantization.linear import W8A8Linear
+from engine.weights.loader import load_model
 
 
 def step_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:

@@ -19,7 +19,7 @@ import torch
 from bench.datasets import BenchTokenizer, DatasetSpec, build_dataset, chat_messages
 from common.default_model import resolve_model
 from engine.core import choose_device
-from engine.loader import choose_dtype
+from engine.platform.cpu import choose_dtype
 
 
 def run_batches(model, tokenizer, prompts: list[str], batch: int, output_len: int) -> float:

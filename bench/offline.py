@@ -26,7 +26,8 @@ from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore, choose_device
-from engine.loader import choose_dtype, read_hf_config
+from engine.platform.cpu import choose_dtype
+from engine.weights.loader import read_hf_config
 
 MODES = {
     "continuous": {"batching": "continuous"},

@@ -23,7 +23,7 @@ from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.block_manager import PrefixCacheStats
 from engine.core import EngineCore, EngineTotals
-from engine.loader import read_hf_config
+from engine.weights.loader import read_hf_config
 
 
 def make_prompts(count: int, prefix_len: int, question_len: int, vocab: int,

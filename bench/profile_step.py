@@ -33,20 +33,17 @@ from common.config import EngineConfig
 from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
-from engine import (
-    attention,
-    cpu_decode_kernel,
-    cpu_elementwise_kernel,
-    cpu_q8_kernel,
-    cpu_w8a8_kernel,
-    fused_ops,
-    logits_processors,
-    quantized_linear,
-    sampler,
-)
+from engine.attention import paged as attention
 from engine.core import EngineCore
-from engine.loader import kernel_flags
-from engine.tensor_parallel import keep_to_cores, rank_layout
+from engine.distributed.tensor_parallel import keep_to_cores, rank_layout
+from engine.kernels import elementwise as cpu_elementwise_kernel
+from engine.kernels import paged_decode as cpu_decode_kernel
+from engine.kernels import q8_0_matmul as cpu_q8_kernel
+from engine.kernels import w8a8 as cpu_w8a8_kernel
+from engine.layers import elementwise as fused_ops
+from engine.platform.cpu import kernel_flags
+from engine.quantization import linear as quantized_linear
+from engine.sampling import logits_processors, sampler
 
 CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
            "collectives", "Python/other")
@@ -61,7 +58,12 @@ FUSED_KERNEL_MARKERS = (("rsqrt", "norms"), ("silu", "activation"), ("sigmoid", 
 
 def _line_range(function: Callable) -> tuple[str, range]:
     lines, first = inspect.getsourcelines(function)
-    return Path(inspect.getsourcefile(function) or "").name, range(first, first + len(lines))
+    return _package_path(inspect.getsourcefile(function) or ""), range(first, first + len(lines))
+
+
+def _package_path(path: str) -> str:
+    """A module's file with its folder ("kernels/elementwise.py"): names repeat across folders."""
+    return "/".join(Path(path).parts[-2:])
 
 
 # The functions of ours whose ops and own Python time belong to a class: the C++ kernels run
@@ -78,7 +80,7 @@ SCOPES: list[tuple[str, str, range]] = [
         ("KV write", attention.write_kv_rows),
         ("KV write", cpu_decode_kernel.run_write_kv),
     )
-] + [(op_class, Path(module.__file__).name, range(1, 10**6)) for op_class, module in (
+] + [(op_class, _package_path(module.__file__ or ""), range(1, 10**6)) for op_class, module in (
     ("attention", attention),
     ("attention", cpu_decode_kernel),
     ("GEMM", quantized_linear),  # activation quantization and scaling belong to the product

@@ -27,11 +27,11 @@ from bench.datasets.prompts_file import load_prompts
 from common.config import EngineConfig
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
-from engine.attention_metadata import AttentionMetadata
+from engine.attention.forward_context import forward_context
+from engine.attention.metadata import AttentionMetadata
 from engine.core import EngineCore
-from engine.forward_context import forward_context
-from engine.loader import cpu_flags
-from engine.quantized_linear import QUANTIZATION_METHODS
+from engine.platform.cpu import cpu_flags
+from engine.quantization.linear import QUANTIZATION_METHODS
 
 BLOCK_SIZE = 16
 

@@ -25,8 +25,8 @@ from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore
-from engine.grammar import Constraint, mask_logits
-from engine.loader import kernel_flags
+from engine.platform.cpu import kernel_flags
+from engine.sampling.grammar import Constraint, mask_logits
 from frontend.structured_outputs import StructuredOutput, build_grammars
 from frontend.tools import call_grammar, parse_tool_request
 

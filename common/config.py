@@ -32,12 +32,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
-    compile: bool = False  # torch.compile the forward (engine.compiled_forward)
+    compile: bool = False  # torch.compile the forward (engine.executor.compiled_forward)
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs, and never compile
     quantization: str = "auto"  # auto (a GGUF's own) | none | int8 | int4 | w8a8
     quantization_group_size: int = 32  # int4: input channels per scale and zero
     grammar_compile_timeout: float = 5.0  # seconds a structured-output grammar may take to build
-    tensor_parallel_size: int = 1  # ranks over torch.distributed (engine.tensor_parallel)
+    tensor_parallel_size: int = 1  # ranks over torch.distributed (engine.distributed)
     nnodes: int = 1  # hosts the tensor-parallel ranks span, as many ranks on each
     node_rank: int = 0  # this host's index among them (0: the engine's)
     master_addr: str = "127.0.0.1"  # torch.distributed's TCP rendezvous (node 0's address)

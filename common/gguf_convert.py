@@ -2,7 +2,7 @@
 its tensors' names and layouts (dequantized, llama.cpp's rotary permutation of q/k undone),
 its tokenizer and chat template; `convert_gguf` writes all of it as an ordinary float32
 directory. Used for the embedded default model (common.default_model), for `--model
-FILE.gguf` (common.gguf_model) and by the engine's GGUF loader (engine.gguf_weights).
+FILE.gguf` (common.gguf_model) and by the engine's GGUF loader (engine.weights.gguf).
 
 Importable without torch.
 """

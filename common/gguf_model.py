@@ -4,7 +4,7 @@
 directory under $LOOM_CACHE/gguf/ with what the frontend and the engine read besides the
 weights: config.json and generation_config.json from the file's metadata, the tokenizer and
 chat template it carries, and `gguf_source.json` naming the file. The engine reads the
-weights from the GGUF itself (engine/gguf_weights.py), Q4_0, Q4_1 and Q4_K tensors kept as
+weights from the GGUF itself (engine/weights/gguf.py), Q4_0, Q4_1 and Q4_K tensors kept as
 4-bit codes, Q8_0 ones as 8-bit codes. The directory is named after the file, so the served
 model name is the file's stem.
 
@@ -62,7 +62,7 @@ def prepare_gguf(model: str, cache_dir: Path, progress: Any = print,
 
 def read_gguf(path: Path) -> Any:
     """gguf's reader, metadata and all (~4 s for a 50k-token vocabulary): for preparing, once
-    per file. The engine finds the tensors with engine.gguf_file instead."""
+    per file. The engine finds the tensors with engine.weights.gguf_file instead."""
     import gguf
 
     try:

@@ -32,8 +32,8 @@ def main() -> int:
 
     # Heavy imports after argument parsing so `--help` stays instant.
     from engine.core import EngineCore, choose_device
+    from engine.distributed.tensor_parallel import keep_to_cores, rank_layout
     from engine.server import EngineServer
-    from engine.tensor_parallel import keep_to_cores, rank_layout
 
     config = EngineConfig.from_json(args.config_json)
     if config.tensor_parallel_size > 1:  # rank 0 keeps to its share of the cores

@@ -24,17 +24,9 @@ from common.protocol import (
     StepStats,
 )
 from common.sockets import free_port
-from engine.attention import load_cpp_decode, triton_supports
+from engine.attention.paged import load_cpp_decode, triton_supports
 from engine.block_manager import BlockManager
-from engine.cuda_graphs import CudaGraphRecorder, Recorder
-from engine.grammar import Constraint, GrammarBuild, GrammarCompiler
-from engine.loader import choose_dtype, load_model, weight_bytes
-from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.quantized_linear import quantization_summary
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.scheduler import RequestRefused, ScheduledChunk, Scheduler, StepTrace
-from engine.tensor_parallel import (
+from engine.distributed.tensor_parallel import (
     TPShard,
     WorkerRanks,
     broadcast_int,
@@ -42,6 +34,15 @@ from engine.tensor_parallel import (
     init_group,
     rank_layout,
 )
+from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder
+from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
+from engine.platform.cpu import choose_dtype
+from engine.quantization.linear import quantization_summary
+from engine.request import Request
+from engine.sampling.grammar import Constraint, GrammarBuild, GrammarCompiler
+from engine.sampling.sampler import Sampler
+from engine.scheduler import RequestRefused, ScheduledChunk, Scheduler, StepTrace
+from engine.weights.loader import load_model, weight_bytes
 
 logger = logging.getLogger("loom.engine")
 
@@ -88,7 +89,7 @@ class EngineCore:
                  recorder: Recorder | Literal["auto"] | None = "auto",
                  log_level: str = "INFO") -> None:
         """`recorder`: how decode graphs are recorded; "auto" records CUDA graphs on a GPU
-        unless --enforce-eager (tests on the CPU pass engine.cuda_graphs.EagerReplay).
+        unless --enforce-eager (tests on the CPU pass engine.executor.cuda_graphs.EagerReplay).
         With --tensor-parallel-size N this process is rank 0 and starts ranks 1..N-1."""
         self.config = config
         self.device = choose_device(config.device)

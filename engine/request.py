@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from common.protocol import FinishReason
 from common.sampling import SamplingParams
 
-if TYPE_CHECKING:  # engine.grammar needs torch; a request stays pure Python
-    from engine.grammar import Constraint
+if TYPE_CHECKING:  # engine.sampling.grammar needs torch; a request stays pure Python
+    from engine.sampling.grammar import Constraint
 
 
 class RequestStatus(Enum):

@@ -12,7 +12,8 @@ bounded:
 A schema whose own numbers (`minimum`, `maximum`, their exclusive forms, `const`, `enum`) are
 smaller than that allows as many leading zeros as they need, and one more; llguidance holds
 integer bounds to the int64 range itself, so an integer never needs more digits. The engine
-allows a token only when every grammar of the request allows it (engine.grammar.Constraint).
+allows a token only when every grammar of the request allows it
+(engine.sampling.grammar.Constraint).
 """
 
 from __future__ import annotations

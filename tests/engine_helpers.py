@@ -12,7 +12,7 @@ from common.config import EngineConfig
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore
-from engine.cuda_graphs import Recorder
+from engine.executor.cuda_graphs import Recorder
 
 _ids = itertools.count()
 

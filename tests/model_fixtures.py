@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata
 
 TINY_LLAMA: dict[str, Any] = {
     "hidden_size": 64,

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import attention, attention_metadata
-from engine.attention import paged_attention, reference_attention, write_kv
-from engine.attention_metadata import AttentionMetadata
+from engine.attention import metadata as attention_metadata
+from engine.attention import paged as attention
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.paged import paged_attention, reference_attention, write_kv
 
 
 @dataclass(frozen=True)

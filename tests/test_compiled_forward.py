@@ -11,10 +11,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from bench.launched import REPO_ROOT
-from engine.compiled_forward import compile_forward
-from engine.forward_context import forward_context
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.attention.forward_context import forward_context
+from engine.executor.compiled_forward import compile_forward
+from engine.executor.model_runner import ModelRunner
+from engine.weights.loader import load_model
 from tests.model_fixtures import build_metadata, build_tiny_llama_dir, positions_for
 
 BLOCK_SIZE = 4
@@ -64,8 +64,8 @@ def test_after_warm_up_no_token_count_recompiles(tmp_path) -> None:
 WARM_UP_AND_COUNT = """
 import json, sys, torch
 from torch._dynamo.utils import counters
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.weights.loader import load_model
+from engine.executor.model_runner import ModelRunner
 model = load_model(sys.argv[1], torch.float32, torch.device("cpu"), quantization="int4")
 ModelRunner(model, 64, 4, torch.device("cpu"), torch.float32, compiled=True)
 print(json.dumps(dict(counters["inductor"])))

@@ -1,4 +1,5 @@
-"""Decode steps replayed from recorded graphs (engine.cuda_graphs) against eager steps, on the
+"""Decode steps replayed from recorded graphs (engine.executor.cuda_graphs) against eager steps,
+on the
 device named by LOOM_TEST_DEVICE (default `cpu`).
 
 On a GPU (bench/gpu_check.sh) these record real CUDA graphs. On the CPU, `EagerReplay` runs
@@ -18,7 +19,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
-from engine.cuda_graphs import (
+from engine.executor.cuda_graphs import (
     CudaGraphRecorder,
     EagerReplay,
     Recorder,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.forward_context import forward_context
+from engine.attention.forward_context import forward_context
 from tests.engine_helpers import (
     assert_equals_transformers_generate,
     greedy_request,

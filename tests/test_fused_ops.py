@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import fused_ops
-from engine.cpu_elementwise_kernel import load_elementwise
+from engine.kernels.elementwise import load_elementwise
+from engine.layers import elementwise as fused_ops
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

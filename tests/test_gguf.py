@@ -27,10 +27,10 @@ from common.default_model import default_gguf_file
 from common.gguf_convert import unpermute_rotary
 from common.gguf_model import prepare_gguf
 from common.sockets import free_port
-from engine.gguf_file import GGUFTensor, read_tensors
-from engine.gguf_weights import keep_gguf_quantization, kept_groups, q4_codes
-from engine.loader import load_model
-from engine.quantized_linear import Int4Linear, Q8_0Linear
+from engine.quantization.linear import Int4Linear, Q8_0Linear
+from engine.weights.gguf import keep_gguf_quantization, kept_groups, q4_codes
+from engine.weights.gguf_file import GGUFTensor, read_tensors
+from engine.weights.loader import load_model
 from tests.launched_server import LaunchedServer
 from tests.model_fixtures import TINY_LLAMA, build_tiny_hf_model
 from tests.test_model_parity import prefill_logits

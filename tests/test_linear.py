@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.linear import PackedLinear, packing_applies, prepack_linears
-from engine.loader import load_model
+from engine.layers.linear import PackedLinear, packing_applies, prepack_linears
+from engine.weights.loader import load_model
 from tests.model_fixtures import build_tiny_llama_dir
 
 CPU = torch.device("cpu")
@@ -38,7 +38,7 @@ def test_packed_linear_matches_f_linear_in_bf16() -> None:
 def test_a_packed_bf16_model_gives_the_plain_models_logits(tmp_path, monkeypatch) -> None:
     model_dir = build_tiny_llama_dir(tmp_path, tie_word_embeddings=True)
     packed = load_model(model_dir, torch.bfloat16, CPU)
-    monkeypatch.setattr("engine.loader.prepack_linears", lambda *args: 0)
+    monkeypatch.setattr("engine.weights.loader.prepack_linears", lambda *args: 0)
     plain = load_model(model_dir, torch.bfloat16, CPU)
     linears = [m for m in packed.modules() if isinstance(m, PackedLinear)]
     if not packing_applies(CPU, torch.bfloat16):

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from common.default_model import resolve_model
-from engine.forward_context import forward_context
-from engine.loader import choose_dtype, cpu_has_native_bf16, load_model
+from engine.attention.forward_context import forward_context
 from engine.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig, rope_inv_freq
+from engine.platform.cpu import choose_dtype, cpu_has_native_bf16
+from engine.weights.loader import load_model
 from tests.model_fixtures import (
     allocate_kv_caches,
     build_metadata,

@@ -16,10 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_w8a8_kernel as w8a8_kernels
-from engine.cpu_q8_kernel import load_q8_kernel
-from engine.loader import load_model
-from engine.quantized_linear import (
+from engine.kernels import w8a8 as w8a8_kernels
+from engine.kernels.q8_0_matmul import load_q8_kernel
+from engine.quantization.linear import (
     Int4Linear,
     Int8Linear,
     Q8_0Linear,
@@ -28,6 +27,7 @@ from engine.quantized_linear import (
     attach_dense_copies,
     quantize_linears,
 )
+from engine.weights.loader import load_model
 from tests.engine_helpers import (
     assert_equals_transformers_generate,
     greedy_request,
@@ -79,7 +79,7 @@ def test_layer_equals_float_math_on_its_dequantized_weights(method: str,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_w8a8_cpp_passes_equal_the_torch_ops_bit_for_bit(dtype: torch.dtype) -> None:
-    """The C++ activation quantization and rescale (engine.cpu_w8a8_kernel) are what the
+    """The C++ activation quantization and rescale (engine.kernels.w8a8) are what the
     layer runs on the CPU; the reference math is the torch ops'."""
     assert w8a8_kernels.load_w8a8_kernels() is not None
     generator = torch.Generator().manual_seed(3)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from common.sampling import SamplingParams
-from engine.logits_processors import process_logits
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampling.logits_processors import process_logits
+from engine.sampling.sampler import Sampler
 
 EOS = 0
 VOCAB = 12

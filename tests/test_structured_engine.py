@@ -1,4 +1,4 @@
-"""Constrained decoding in the engine (engine.grammar) on a tiny random Llama that speaks
+"""Constrained decoding in the engine (engine.sampling.grammar) on a tiny random Llama that speaks
 through SmolLM2's tokenizer: the grammar holds whatever else shares the batch, preemption
 included; a request waits for its grammar without a seat; aborts and bad grammars free
 everything and leave the engine serving."""
@@ -171,7 +171,7 @@ def test_equal_grammars_are_built_once(model_dir: str) -> None:
 
 def test_mask_leaves_only_the_grammars_tokens_and_unconstrained_rows_alone(
         model_dir: str, tokenizer) -> None:
-    from engine.grammar import Constraint, GrammarCompiler, mask_logits
+    from engine.sampling.grammar import Constraint, GrammarCompiler, mask_logits
 
     compiler = GrammarCompiler(model_dir, 49152, frozenset({2}))
     (choice,) = grammar("choice", ["yes", "no"])

@@ -1,5 +1,5 @@
-"""Tensor parallelism (engine.tensor_parallel): TP=2 on the CPU over gloo, two processes
-(this one as rank 0, engine.tp_worker as rank 1).
+"""Tensor parallelism (engine.distributed.tensor_parallel): TP=2 on the CPU over gloo, two processes
+(this one as rank 0, engine.distributed.tp_worker as rank 1).
 
 - every step's logits of a mixed, chunked batch equal TP=1's within 1e-4 (fp32), on the
   tiny model (also with an uneven split: 3 KV heads over 2 ranks, a vocabulary of odd size)
@@ -27,8 +27,8 @@ from bench.launched import child_pids, command_line
 from bench.soak import StreamOutcome, stream_one
 from common.default_model import resolve_model
 from common.sockets import free_port
-from engine.model_runner import StepInputs
-from engine.tensor_parallel import TPShard
+from engine.distributed.tensor_parallel import TPShard
+from engine.executor.model_runner import StepInputs
 from tests.engine_helpers import greedy_request, make_core, run_to_completion
 from tests.launched_server import LaunchedServer
 from tests.model_fixtures import build_tiny_llama_dir
@@ -110,7 +110,7 @@ def test_tp2_logits_equal_tp1_on_smollm2() -> None:
 def tp_worker_pid(server: LaunchedServer) -> int:
     for engine in child_pids(server.process.pid):
         for pid in child_pids(engine):
-            if "engine.tp_worker" in command_line(pid):
+            if "engine.distributed.tp_worker" in command_line(pid):
                 return pid
     raise LookupError("no tensor-parallel worker")
 

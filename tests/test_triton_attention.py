@@ -1,4 +1,4 @@
-"""The Triton kernels (engine.triton_attention) through Triton's interpreter on the CPU,
+"""The Triton kernels (engine.attention.triton_kernels) through Triton's interpreter on the CPU,
 against the torch reference: the KV write through the slot mapping, and paged attention over
 decodes, prefills (fresh and on cached tokens) and mixed steps, at block boundaries, for GQA
 ratios 1, 3 and 4 and head dims 64 and 128.
@@ -23,7 +23,7 @@ DEVICE = torch.device("cuda" if NATIVE else "cpu")
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
 from engine import triton_attention  # noqa: E402
-from engine.attention import query_rows  # noqa: E402
+from engine.attention.paged import query_rows  # noqa: E402
 from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 The model sees one flattened variable-length batch per step: every scheduled token of
 every request, with its absolute position; attention goes through the paged KV cache
-behind `engine.attention.paged_attention`.
+behind `engine.attention.paged.paged_attention`.
 
 Load-time layout (the loader maps Hugging Face names onto it):
   q/k/v projections are one `qkv_proj`, gate/up projections one `gate_up_proj`;
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import attend
-from engine.fused_ops import add_rms_norm, rms_norm, rotary, silu_and_mul
+from engine.attention.paged import attend
+from engine.layers.elementwise import add_rms_norm, rms_norm, rotary, silu_and_mul
 
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
@@ -333,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
     """Parameters follow HF names except the merged `qkv_proj` and `gate_up_proj`.
 
     Build under `torch.device("meta")` and fill with `load_state_dict(..., assign=True)`
-    (see engine.loader); the rotary tables are always computed on the CPU and follow
+    (see engine.weights.loader); the rotary tables are always computed on the CPU and follow
     `.to(device)`.
     """
 
@@ -366,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] BEFORE the final norm; `compute_logits` applies it.
 
-        Attention reads the step's metadata from `engine.forward_context`."""
+        Attention reads the step's metadata from `engine.attention.forward_context`."""
         cos = self.rope_cos[positions].unsqueeze(1)
         signed_sin = self.rope_signed_sin[positions].unsqueeze(1)
         x, residual = self.model.embed_tokens(input_ids), None

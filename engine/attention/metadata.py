@@ -4,7 +4,7 @@ The model runner builds one `AttentionMetadata` per step for the flattened varia
 batch (`AttentionMetadata.build`): query offsets, context lengths, block tables, slot mapping.
 Everything derivable from it alone (the decode/prefill split, the C++ kernel's rows, decode
 buckets for the torch path, gather rows and masks) is planned once, by the first layer that
-needs it, and reused by the rest (engine.attention).
+needs it, and reused by the rest (engine.attention.paged).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.host_copy import int_tensor
-from engine.triton_attention import QueryRows
+from engine.attention.triton_kernels import QueryRows
+from engine.platform.host_copy import int_tensor
 
 # Decode buckets (torch path): requests sorted by context length and padded per bucket.
 MAX_DECODE_BUCKETS = 4
@@ -140,8 +140,9 @@ class AttentionMetadata:
     workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
     head_plans: dict[tuple[int, bool], HeadPlan] = field(default_factory=dict)
     triton_rows: QueryRows | None = None  # the Triton kernels' per-row view, made once a step
-    # Recorded into a CUDA graph (engine.cuda_graphs): only the tensors above are the step's,
-    # the lists are the recording's, so attention takes the Triton path, which reads no list.
+    # Recorded into a CUDA graph (engine.executor.cuda_graphs): only the tensors above are the
+    # step's, the lists are the recording's, so attention takes the Triton path, which
+    # reads no list.
     static: bool = False
 
     @property

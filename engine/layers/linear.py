@@ -9,21 +9,11 @@ that holds; the model code keeps calling its modules as before.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from engine.linear_op import register_opaque_linear
-
-
-@functools.cache
-def native_bf16_matmul() -> bool:
-    """Whether oneDNN multiplies bf16 natively here (AVX512-BF16 or AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+from engine.layers.opaque_linear import register_opaque_linear
+from engine.platform.cpu import native_bf16_matmul
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,5 +1,6 @@
-"""A tensor-parallel rank other than 0: `python -m engine.tp_worker --rank R --size N ...`,
-started by the engine process (rank 0, engine.tensor_parallel.WorkerRanks).
+"""A tensor-parallel rank other than 0:
+`python -m engine.distributed.tp_worker --rank R --size N ...`,
+started by the engine process (rank 0, engine.distributed.tensor_parallel.WorkerRanks).
 
 It loads its slices of the model, allocates the KV cache for its heads (as many blocks as
 rank 0 says), then runs every step rank 0 broadcasts, taking part in each collective, until
@@ -16,7 +17,7 @@ from common.config import EngineConfig
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tp_worker")
+    parser = argparse.ArgumentParser(prog="python -m engine.distributed.tp_worker")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
@@ -31,9 +32,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from engine.core import choose_device
-    from engine.loader import choose_dtype, load_model
-    from engine.model_runner import ModelRunner, StepInputs
-    from engine.tensor_parallel import (
+    from engine.distributed.tensor_parallel import (
         TPShard,
         broadcast_int,
         host_group,
@@ -42,6 +41,9 @@ def main() -> int:
         rank_layout,
         receive_step,
     )
+    from engine.executor.model_runner import ModelRunner, StepInputs
+    from engine.platform.cpu import choose_dtype
+    from engine.weights.loader import load_model
 
     config = EngineConfig.from_json(args.config_json)
     device = choose_device(config.device)

@@ -16,7 +16,7 @@ import torch
 from engine.kernels.build import FLOAT, I64, INT, PTR, load_library
 
 if TYPE_CHECKING:
-    from engine.attention_metadata import DecodeBatch
+    from engine.attention.metadata import DecodeBatch
 
 CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
 

@@ -1,6 +1,6 @@
 """`loom::linear`: a packed or quantized linear layer as one opaque op for torch.compile.
 
-A oneDNN-packed weight (engine.linear) or a quantized one (engine.quantized_linear) is
+A oneDNN-packed weight (engine.layers.linear) or a quantized one (engine.quantization.linear) is
 nothing torch can trace, so while compiling such a layer calls itself through this op, by
 the handle it registered at construction: the graph keeps the eager path's GEMMs as they
 are and holds none of their weights. Inductor then needs no freezing to reach those GEMMs'

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from engine.host_copy import device_tensor, download, int_tensor
-from engine.logits_processors import process_logits
+from engine.platform.host_copy import device_tensor, download, int_tensor
 from engine.request import Request
+from engine.sampling.logits_processors import process_logits
 
 TokenLogprobs = list[Any]  # [chosen token logprob, [[top token id, logprob], ...]]
 

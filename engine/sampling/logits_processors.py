@@ -1,14 +1,14 @@
 """Per-request edits of a step's logits before sampling, batched over all sampling rows:
 min_tokens stop suppression, repetition / presence / frequency penalties, logit_bias, and
-last the grammar mask of constrained requests (engine.grammar)."""
+last the grammar mask of constrained requests (engine.sampling.grammar)."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.grammar import mask_logits
-from engine.host_copy import device_tensor, int_tensor
+from engine.platform.host_copy import device_tensor, int_tensor
 from engine.request import Request
+from engine.sampling.grammar import mask_logits
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request],

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.compiled_forward import Forward, compile_forward, timed_warm_up
-from engine.cuda_graphs import DecodeGraphs, Recorder
-from engine.forward_context import forward_context
-from engine.host_copy import int_tensor
+from engine.attention.forward_context import forward_context
+from engine.attention.metadata import AttentionMetadata
+from engine.distributed.tensor_parallel import broadcast_step
+from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
+from engine.executor.cuda_graphs import DecodeGraphs, Recorder
+from engine.platform.host_copy import int_tensor
 from engine.scheduler import ScheduledChunk
-from engine.tensor_parallel import broadcast_step
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -86,7 +86,7 @@ class StepInputs:
 
 class ModelRunner:
     """Runs steps over the paged KV cache. With a graph `recorder` (CUDA graphs, see
-    engine.cuda_graphs) the cache holds one more block than the scheduler's, the padding
+    engine.executor.cuda_graphs) the cache holds one more block than the scheduler's, the padding
     block of recorded decode batches, and decode steps replay recorded graphs."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
@@ -94,7 +94,7 @@ class ModelRunner:
                  recorder: Recorder | None = None, max_model_len: int = 0,
                  max_num_seqs: int = 0, tensor_parallel: bool = False) -> None:
         """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
-        others before running it (engine.tensor_parallel)."""
+        others before running it (engine.distributed.tensor_parallel)."""
         self.model = model
         self.tensor_parallel = tensor_parallel
         self.block_size = block_size

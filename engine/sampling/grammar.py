@@ -32,7 +32,7 @@ from typing import Any
 import numpy
 import torch
 
-from engine.host_copy import int_tensor, upload
+from engine.platform.host_copy import int_tensor, upload
 
 logger = logging.getLogger(__name__)
 

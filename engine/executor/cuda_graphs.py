@@ -10,7 +10,7 @@ the largest bucket, run eagerly; `--enforce-eager` turns graphs off.
 
 Inside a graph, attention may read only tensors whose addresses never change: the recorded
 step's metadata holds views of the persistent buffers and is marked `static`, which takes the
-Triton path of engine.attention, the one path that reads no per-step Python values.
+Triton path of engine.attention.paged, the one path that reads no per-step Python values.
 
 A `Recorder` hides the one CUDA-only piece. `CudaGraphRecorder` records and replays real
 graphs; `EagerReplay` (CPU tests, through Triton's interpreter) re-runs the recorded function
@@ -29,9 +29,9 @@ from typing import Protocol
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, blocks_for
-from engine.forward_context import forward_context
-from engine.triton_attention import QueryRows
+from engine.attention.forward_context import forward_context
+from engine.attention.metadata import AttentionMetadata, blocks_for
+from engine.attention.triton_kernels import QueryRows
 
 logger = logging.getLogger(__name__)
 

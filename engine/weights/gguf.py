@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.gguf_file import GGUFTensor
-from engine.quantized_linear import Int4Linear, Q8_0Linear, QuantizedLinear
+from engine.quantization.linear import Int4Linear, Q8_0Linear, QuantizedLinear
+from engine.weights.gguf_file import GGUFTensor
 
 logger = logging.getLogger("loom.engine")
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.attention_metadata import AttentionMetadata
+    from engine.attention.metadata import AttentionMetadata
 
 _current: AttentionMetadata | None = None
 

@@ -4,11 +4,11 @@
 - int4: weight-only, groups of `group_size` input channels with a scale and a zero each
   (W ≈ (q - 8)·s + z, q in 0..15): the layout of a GGUF Q4_1 block.
 - q8_0: a GGUF Q8_0 tensor's own codes, blocks of 32 with one scale each (W = q·d), read
-  by a small C++ kernel in decode steps (engine.cpu_q8_kernel).
+  by a small C++ kernel in decode steps (engine.kernels.q8_0_matmul).
 - w8a8: int8 weights as above times int8 activations quantized per token on the fly
   (x ≈ a·t, one scale t per row), multiplied in int32 (`torch._int_mm`), scaled back to float;
   on the CPU the quantizing and the scaling back are one C++ pass each
-  (engine.cpu_w8a8_kernel), bit-identical to the torch ops.
+  (engine.kernels.w8a8), bit-identical to the torch ops.
 
 Each layer answers to float math on its own dequantized weights (`dequantized_weight`; w8a8
 also on its fake-quantized activations, `fake_quantized_input`).
@@ -35,14 +35,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cpu_q8_kernel import MAX_ROWS as Q8_MAX_ROWS
-from engine.cpu_q8_kernel import Q8_BLOCK, run_q8_0_matmul
-from engine.cpu_q8_kernel import kernel_applies as q8_kernel_applies
-from engine.cpu_w8a8_kernel import kernels_apply as w8a8_kernels_apply
-from engine.cpu_w8a8_kernel import quantize_rows as w8a8_quantize_rows
-from engine.cpu_w8a8_kernel import rescale as w8a8_rescale
-from engine.linear import PackedLinear, packing_applies
-from engine.linear_op import register_opaque_linear
+from engine.kernels.q8_0_matmul import MAX_ROWS as Q8_MAX_ROWS
+from engine.kernels.q8_0_matmul import Q8_BLOCK, run_q8_0_matmul
+from engine.kernels.q8_0_matmul import kernel_applies as q8_kernel_applies
+from engine.kernels.w8a8 import kernels_apply as w8a8_kernels_apply
+from engine.kernels.w8a8 import quantize_rows as w8a8_quantize_rows
+from engine.kernels.w8a8 import rescale as w8a8_rescale
+from engine.layers.linear import PackedLinear, packing_applies
+from engine.layers.opaque_linear import register_opaque_linear
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "w8a8")
 DEFAULT_GROUP_SIZE = 32
@@ -221,7 +221,7 @@ class Int4Linear(QuantizedLinear):
 class Q8_0Linear(QuantizedLinear):
     """A GGUF Q8_0 weight held as the file has it: int8 codes q [N, K] and one scale per block
     of 32 input channels, W = q·d. Up to `max_kernel_rows` tokens run the C++ kernel on the
-    codes (engine.cpu_q8_kernel: half bf16's bytes, fp32 math); larger steps run the packed
+    codes (engine.kernels.q8_0_matmul: half bf16's bytes, fp32 math); larger steps run the packed
     copy, or multiply the dequantized weight where no kernel builds."""
 
     method = "q8_0"

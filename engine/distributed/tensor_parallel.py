@@ -11,8 +11,8 @@ Each rank holds a slice of every layer (Megatron's split):
 Norms and rotary tables are replicated; a bias of a row-parallel layer is added by rank 0.
 
 Rank 0 is the engine process: it schedules, samples and broadcasts each step's inputs
-(`StepInputs`, one int64 tensor) to the other ranks (engine.tp_worker), which run the same
-forward on their slices.
+(`StepInputs`, one int64 tensor) to the other ranks (engine.distributed.tp_worker), which run
+the same forward on their slices.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def rank_layout(config: EngineConfig) -> RankLayout:
 
 @dataclass
 class WorkerRanks:
-    """This host's ranks other than 0, as processes of ours (engine.tp_worker)."""
+    """This host's ranks other than 0, as processes of ours (engine.distributed.tp_worker)."""
 
     ranks: list[int]
     processes: list[subprocess.Popen]
@@ -272,7 +272,7 @@ class WorkerRanks:
         for rank in ranks:
             cores = layout.cores(rank)
             processes.append(subprocess.Popen(
-                [sys.executable, "-m", "engine.tp_worker", "--config-json", config_json,
+                [sys.executable, "-m", "engine.distributed.tp_worker", "--config-json", config_json,
                  "--rank", str(rank), "--size", str(layout.size), "--master-addr",
                  master_addr, "--master-port", str(master_port), "--log-level", log_level],
                 env=env_for_cores(os.environ, cores),

@@ -1,7 +1,7 @@
 """The decoder's elementwise ops behind one boundary: RMSNorm (optionally adding the residual
 first, as vLLM's fused_add_rms_norm does), SiLU(gate) * up, and rotary position embeddings.
 
-Eager on the CPU they run as one C++ pass each (`engine.cpu_elementwise_kernel`); while
+Eager on the CPU they run as one C++ pass each (`engine.kernels.elementwise`); while
 torch.compile traces, on other devices, or where the kernels cannot build, they are plain
 torch ops, which inductor fuses by itself. `LOOM_CPP_ELEMENTWISE=0` turns the kernels off.
 """
@@ -13,14 +13,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_elementwise_kernel import (
+from engine.kernels.build import kernel_supports
+from engine.kernels.elementwise import (
     load_elementwise,
     rows_of_contiguous_heads,
     run_add_rms_norm,
     run_rotary,
     run_silu_and_mul,
 )
-from engine.kernels.build import kernel_supports
 
 CPP_ELEMENTWISE = os.environ.get("LOOM_CPP_ELEMENTWISE", "1") != "0"
 

@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 
 from common.gguf_model import gguf_source
-from engine.gguf_file import read_tensors
-from engine.gguf_weights import codes_only, float_tensors, keep_gguf_quantization, kept_groups
-from engine.linear import prepack_linears
+from engine.distributed.tensor_parallel import TPShard, shard_model
+from engine.layers.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM, ModelConfig
-from engine.quantized_linear import DEFAULT_GROUP_SIZE, attach_dense_copies, quantize_linears
-from engine.tensor_parallel import TPShard, shard_model
+from engine.quantization.linear import DEFAULT_GROUP_SIZE, attach_dense_copies, quantize_linears
+from engine.weights.gguf import codes_only, float_tensors, keep_gguf_quantization, kept_groups
+from engine.weights.gguf_file import read_tensors
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -36,8 +36,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                quantization: str = "auto",
                group_size: int = DEFAULT_GROUP_SIZE,
                shard: TPShard | None = None) -> LlamaForCausalLM:
-    """The model on `device`, its linears quantized if asked (engine.quantized_linear), else
-    prepacked where that pays (engine.linear). A directory standing for a GGUF file
+    """The model on `device`, its linears quantized if asked (engine.quantization.linear), else
+    prepacked where that pays (engine.layers.linear). A directory standing for a GGUF file
     (common.gguf_model) reads the file; `auto` keeps its Q4_0/Q4_1/Q4_K linears as they are,
     except in fp32 (torch's int4 kernels are slow there). One that also holds safetensors
     (the default model) reads those whenever it does not keep the codes: the same floats,
@@ -150,41 +150,3 @@ def _tie_or_check_lm_head(model: LlamaForCausalLM, weights: dict[str, torch.Tens
     elif "lm_head.weight" not in weights:
         model.lm_head = None
         model.config.tie_word_embeddings = True
-
-
-def choose_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA and on CPUs with native bf16 instructions, else float32."""
-    explicit = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name in explicit:
-        return explicit[name]
-    if name != "auto":
-        raise ValueError(f"unsupported dtype {name!r}; use auto, float32 or bfloat16")
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
-        return torch.bfloat16
-    return torch.float32
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
-
-
-# The flags that decide which kernels run here: what a benchmark names beside its figures.
-KERNEL_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-                          "amx_int8"})
-
-
-def kernel_flags() -> str:
-    """This CPU's KERNEL_FLAGS, space-separated ("unknown" where none can be read)."""
-    return " ".join(sorted(cpu_flags() & KERNEL_FLAGS)) or "unknown"
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags (the first "flags" line); empty where they cannot be read."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()

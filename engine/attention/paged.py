@@ -10,7 +10,7 @@ tokens, causally).
 
 Everything derivable from the metadata alone (decode/prefill split, gather
 indices, masks) is planned once per step and shared by all layers
-(engine.attention_metadata). Where the small C++ kernel is enabled and compiles,
+(engine.attention.metadata). Where the small C++ kernel is enabled and compiles,
 it reads the paged cache in place for every request with one new token
 ("decodes") and for every row of the prefill chunks up to
 KERNEL_PREFILL_MAX_TOKENS, each row a decode over its own causal prefix.
@@ -33,7 +33,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.attention_metadata import (
+from engine.attention.forward_context import current_metadata
+from engine.attention.metadata import (
     AttentionMetadata,
     DecodeBucket,
     PrefillChunk,
@@ -43,20 +44,19 @@ from engine.attention_metadata import (
     causal_rows,
     decode_buckets,
 )
-from engine.cpu_decode_kernel import (
+from engine.attention.triton_kernels import QueryRows
+from engine.attention.triton_kernels import paged_attention as triton_attention
+from engine.attention.triton_kernels import write_kv as triton_write_kv
+from engine.kernels.elementwise import rows_of_contiguous_heads
+from engine.kernels.paged_decode import (
     kernel_supports,
     load_cpp_decode,
     load_cpp_library,
     run_paged_decode,
     run_write_kv,
 )
-from engine.cpu_elementwise_kernel import rows_of_contiguous_heads
-from engine.forward_context import current_metadata
-from engine.host_copy import device_tensor
-from engine.linear import native_bf16_matmul
-from engine.triton_attention import QueryRows
-from engine.triton_attention import paged_attention as triton_attention
-from engine.triton_attention import write_kv as triton_write_kv
+from engine.platform.cpu import native_bf16_matmul
+from engine.platform.host_copy import device_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ DECODE_KERNEL: Literal["auto", "matmul", "sdpa"] = "auto"
 # The C++ paged-decode kernel (CPU, fp32/bf16); LOOM_CPP_DECODE=0 turns it off.
 CPP_DECODE = os.environ.get("LOOM_CPP_DECODE", "1") != "0"
 # On CUDA with triton installed, one Triton launch per layer writes the KV and one attends
-# (engine.triton_attention); LOOM_TRITON_ATTENTION=0 keeps the torch path there.
+# (engine.attention.triton_kernels); LOOM_TRITON_ATTENTION=0 keeps the torch path there.
 TRITON_ATTENTION = os.environ.get("LOOM_TRITON_ATTENTION", "1") != "0"
 
 
@@ -141,8 +141,8 @@ def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """`paged_attention` over the step's metadata (`engine.forward_context`), as one opaque
-    torch op: a compiled forward keeps its graph whole around it."""
+    """`paged_attention` over the step's metadata (`engine.attention.forward_context`), as one
+    opaque torch op: a compiled forward keeps its graph whole around it."""
     return paged_attention(q, k, v, k_cache, v_cache, current_metadata(), scale)
 
 
@@ -302,7 +302,8 @@ def triton_paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """The step's KV write and its attention, one Triton launch each (engine.triton_attention)."""
+    """The step's KV write and its attention, one Triton launch each
+    (engine.attention.triton_kernels)."""
     if metadata.triton_rows is None:
         metadata.triton_rows = query_rows(metadata, q.device)
     triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)

@@ -1,4 +1,4 @@
-"""Triton kernels behind `engine.attention`'s boundary, for CUDA devices: the KV-cache write
+"""Triton kernels behind `engine.attention.paged`'s boundary, for CUDA devices: the KV-cache write
 through the slot mapping, and paged attention over the block tables for a whole varlen step
 in one launch.
 
@@ -29,7 +29,7 @@ import torch
 @dataclass(slots=True)
 class QueryRows:
     """Per query row of a step: the request's row of the block tables and how many tokens
-    it sees (its position + 1). Built once per step (`engine.attention.query_rows`), shared
+    it sees (its position + 1). Built once per step (`engine.attention.paged.query_rows`), shared
     by every layer."""
 
     request: torch.Tensor  # [T] int32
