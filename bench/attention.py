@@ -3,9 +3,9 @@
     python -m bench.attention [--repeats N] [--threads N]
 
 Shapes follow SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64) with 16-token blocks.
-Each figure is the median of N calls of one layer (K/V write included): `torch` is the
-fast path with the C++ decode kernel off, `cpp` with it on (decode configs only); `plan` is
-the once-per-step cost of AttentionMetadata.build, shared by all 30 layers. On a machine
+Each figure is the median of N calls of one layer (K/V write included): `torch` is the torch
+backend, `cpp` the C++ one (decode configs only); `plan` is the once-per-step cost of the
+torch backend's metadata builder, shared by all 30 layers. On a machine
 shared with other work, run with OMP_WAIT_POLICY=passive (spinning OpenMP workers that lose
 their core turn every parallel op into a scheduler quantum) or --threads 1.
 """
@@ -21,9 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import paged as attention
+from engine.attention.base import AttentionBackend
+from engine.attention.cpu_backend import CpuBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.paged import paged_attention, reference_attention, write_kv
+from engine.attention.reference import reference_attention, write_kv
+from engine.attention.torch_backend import TorchBackend
+from engine.platform.cpu import native_bf16_matmul
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -56,7 +59,7 @@ class Setup:
     v: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    build: Callable[[], AttentionMetadata]
+    build: Callable[[AttentionBackend], AttentionMetadata]
 
 
 def make_setup(config: Config, dtype: torch.dtype) -> Setup:
@@ -78,8 +81,7 @@ def make_setup(config: Config, dtype: torch.dtype) -> Setup:
         v=torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, dtype=dtype),
         k_cache=torch.randn(cache_shape, dtype=dtype),
         v_cache=torch.randn(cache_shape, dtype=dtype),
-        build=lambda: AttentionMetadata.build(query_lens, seq_lens, tables, slots, BLOCK_SIZE,
-                                              "cpu"),
+        build=lambda backend: backend.build_metadata(query_lens, seq_lens, tables, slots, "cpu"),
     )
 
 
@@ -95,30 +97,24 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def bench(config: Config, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     s = make_setup(config, dtype)
-    metadata = s.build()
+    torch_backend = TorchBackend(BLOCK_SIZE, NUM_KV_HEADS)
+    metadata = s.build(torch_backend)
     scale = HEAD_DIM**-0.5
 
     def reference() -> torch.Tensor:
         write_kv(s.k, s.v, s.k_cache, s.v_cache, metadata.slot_mapping)
         return reference_attention(s.q, s.k_cache, s.v_cache, metadata, scale)
 
-    def fast() -> torch.Tensor:
-        return paged_attention(s.q, s.k, s.v, s.k_cache, s.v_cache, metadata, scale)
+    def run(backend: AttentionBackend, planned: AttentionMetadata) -> Callable[[], torch.Tensor]:
+        return lambda: backend.forward(s.q, s.k, s.v, s.k_cache, s.v_cache, planned, scale)
 
-    def plan() -> None:  # the torch path's whole per-step plan (with decode buckets)
-        s.build().head_plan(NUM_KV_HEADS, BLOCK_SIZE, kernel=False)
-
-    figures = {"reference": median_ms(reference, max(3, repeats // 4))}
-    use_cpp = attention.CPP_DECODE
-    try:
-        attention.CPP_DECODE = False
-        figures["torch"] = median_ms(fast, repeats)
-        attention.CPP_DECODE = True
-        if has_decodes(config) and attention.load_cpp_decode() is not None:
-            figures["cpp"] = median_ms(fast, repeats)
-    finally:
-        attention.CPP_DECODE = use_cpp
-    figures["plan"] = median_ms(plan, repeats)
+    figures = {"reference": median_ms(reference, max(3, repeats // 4)),
+               "torch": median_ms(run(torch_backend, metadata), repeats)}
+    if has_decodes(config) and CpuBackend.supports(torch.device("cpu"), dtype, NUM_HEADS,
+                                                   NUM_KV_HEADS, HEAD_DIM):
+        cpu_backend = CpuBackend(BLOCK_SIZE, NUM_KV_HEADS)
+        figures["cpp"] = median_ms(run(cpu_backend, s.build(cpu_backend)), repeats)
+    figures["plan"] = median_ms(lambda: s.build(torch_backend), repeats)
     return figures
 
 
@@ -135,7 +131,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU "
           f"{torch.backends.cpu.get_cpu_capability()}, native bf16 matmul: "
-          f"{attention.native_bf16_matmul()}; H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
+          f"{native_bf16_matmul()}; H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} "
           f"block={BLOCK_SIZE}; ms per layer (median of {args.repeats})")
     columns = ("reference", "torch", "cpp", "plan")
     print(f"{'config':28} {'dtype':9}" + "".join(f"{c:>10}" for c in columns) + "   speedup")

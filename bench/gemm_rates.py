@@ -22,7 +22,7 @@ from bench.attention import median_ms
 from common.default_model import resolve_model
 from engine.kernels.w8a8 import quantize_rows
 from engine.platform.cpu import kernel_flags
-from engine.quantization.linear import W8A8Linear
+from engine.quantization.w8a8 import W8A8Linear
 from engine.weights.loader import load_model
 
 

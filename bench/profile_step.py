@@ -33,16 +33,19 @@ from common.config import EngineConfig
 from common.default_model import resolve_model
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
-from engine.attention import paged as attention
+from engine.attention import cpu_backend, torch_backend
+from engine.attention.cpu_backend import CpuBackend
+from engine.attention.torch_backend import TorchBackend
 from engine.core import EngineCore
 from engine.distributed.tensor_parallel import keep_to_cores, rank_layout
-from engine.kernels import elementwise as cpu_elementwise_kernel
-from engine.kernels import paged_decode as cpu_decode_kernel
-from engine.kernels import q8_0_matmul as cpu_q8_kernel
-from engine.kernels import w8a8 as cpu_w8a8_kernel
-from engine.layers import elementwise as fused_ops
+from engine.kernels import elementwise, paged_decode, q8_0_matmul
+from engine.kernels import w8a8 as w8a8_kernels
+from engine.layers.activation import SiluAndMul
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import Rotary, RotaryTables
 from engine.platform.cpu import kernel_flags
-from engine.quantization import linear as quantized_linear
+from engine.quantization import base as quantization_base
+from engine.quantization import int4, int8, q8_0, w8a8
 from engine.sampling import logits_processors, sampler
 
 CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
@@ -70,22 +73,27 @@ def _package_path(path: str) -> str:
 # inside Python frames (called through ctypes), so those frames carry the kernels' time.
 SCOPES: list[tuple[str, str, range]] = [
     (op_class, *_line_range(function)) for op_class, function in (
-        ("norms", fused_ops.rms_norm),
-        ("norms", fused_ops.add_rms_norm),
-        ("norms", cpu_elementwise_kernel.run_add_rms_norm),
-        ("rope", fused_ops.rotary),
-        ("rope", cpu_elementwise_kernel.run_rotary),
-        ("activation", fused_ops.silu_and_mul),
-        ("activation", cpu_elementwise_kernel.run_silu_and_mul),
-        ("KV write", attention.write_kv_rows),
-        ("KV write", cpu_decode_kernel.run_write_kv),
+        ("norms", RMSNorm.forward_native),
+        ("norms", RMSNorm.forward_cpu),
+        ("norms", elementwise.run_add_rms_norm),
+        ("rope", Rotary.forward_native),
+        ("rope", Rotary.forward_cpu),
+        ("rope", RotaryTables.forward),
+        ("rope", elementwise.run_rotary),
+        ("activation", SiluAndMul.forward_native),
+        ("activation", SiluAndMul.forward_cpu),
+        ("activation", elementwise.run_silu_and_mul),
+        ("KV write", TorchBackend.write_rows),
+        ("KV write", CpuBackend.write_rows),
+        ("KV write", paged_decode.run_write_kv),
     )
 ] + [(op_class, _package_path(module.__file__ or ""), range(1, 10**6)) for op_class, module in (
-    ("attention", attention),
-    ("attention", cpu_decode_kernel),
-    ("GEMM", quantized_linear),  # activation quantization and scaling belong to the product
-    ("GEMM", cpu_q8_kernel),
-    ("GEMM", cpu_w8a8_kernel),
+    ("attention", torch_backend),
+    ("attention", cpu_backend),
+    ("attention", paged_decode),
+    # activation quantization and scaling belong to the product
+    *(("GEMM", module) for module in (quantization_base, int4, int8, q8_0, w8a8, q8_0_matmul,
+                                      w8a8_kernels)),
     ("sampler", sampler),
     ("sampler", logits_processors),
 )]

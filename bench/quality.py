@@ -28,10 +28,9 @@ from common.config import EngineConfig
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.attention.forward_context import forward_context
-from engine.attention.metadata import AttentionMetadata
 from engine.core import EngineCore
 from engine.platform.cpu import cpu_flags
-from engine.quantization.linear import QUANTIZATION_METHODS
+from engine.quantization.registry import QUANTIZATION_METHODS
 
 BLOCK_SIZE = 16
 
@@ -57,10 +56,11 @@ def perplexity(core: EngineCore, tokens: list[int]) -> float:
     """exp(mean next-token NLL) over the text, in one prefill through the paged model."""
     count = len(tokens)
     blocks = list(range(-(-count // BLOCK_SIZE)))
-    metadata = AttentionMetadata.build([count], [count], [blocks], list(range(count)),
-                                       BLOCK_SIZE, core.device)
+    backend = core.runner.attention
+    metadata = backend.build_metadata([count], [count], [blocks], list(range(count)),
+                                      core.device)
     ids = torch.tensor(tokens, device=core.device)
-    with forward_context(metadata):
+    with forward_context(metadata, backend):
         hidden = core.model(ids, torch.arange(count, device=core.device), core.runner.kv_caches)
     logits = core.model.compute_logits(hidden[:-1]).float()
     nll = torch.nn.functional.cross_entropy(logits, ids[1:])

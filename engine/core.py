@@ -24,10 +24,9 @@ from common.protocol import (
     StepStats,
 )
 from common.sockets import free_port
-from engine.attention.paged import load_cpp_decode, triton_supports
+from engine.attention.triton_backend import triton_supports
 from engine.block_manager import BlockManager
 from engine.distributed.tensor_parallel import (
-    TPShard,
     WorkerRanks,
     broadcast_int,
     dist_backend,
@@ -37,7 +36,7 @@ from engine.distributed.tensor_parallel import (
 from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.platform.cpu import choose_dtype
-from engine.quantization.linear import quantization_summary
+from engine.quantization.registry import quantization_summary
 from engine.request import Request
 from engine.sampling.grammar import Constraint, GrammarBuild, GrammarCompiler
 from engine.sampling.sampler import Sampler
@@ -96,10 +95,9 @@ class EngineCore:
         self.dtype = choose_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.workers = self._start_tensor_parallel(log_level)
-        shard = TPShard(0, config.tensor_parallel_size) if self.workers else None
         self.model = load_model(config.model, self.dtype, self.device,
                                 quantization=config.quantization,
-                                group_size=config.quantization_group_size, shard=shard)
+                                group_size=config.quantization_group_size)
         logger.info("weights: %.1f MiB (%s, %s); engine RSS %s", weight_bytes(self.model) / 2**20,
                     self.dtype, quantization_summary(self.model), _rss_text())
         model_config = self.model.config
@@ -123,8 +121,6 @@ class EngineCore:
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: dict[str, AwaitingGrammar] = {}
         self.step_threads = torch.get_num_threads()
-        if self.device.type == "cpu":
-            load_cpp_decode()  # compile (or load the cached) decode kernel before READY
         self.totals = EngineTotals()
         self.record_traces = record_traces
         self.traces: list[StepTrace] = []

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.attention.forward_context import forward_context
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.selector import select_attention_backend
 
 TINY_LLAMA: dict[str, Any] = {
     "hidden_size": 64,
@@ -99,8 +102,22 @@ def positions_for(seq_lens: list[int], query_lens: list[int],
 
 
 def allocate_kv_caches(model: Any, num_blocks: int, block_size: int,
-                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                       dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Caches in the model's dtype unless told otherwise, as the engine allocates them."""
+    dtype = dtype or model.model.embed_tokens.weight.dtype
     shape = model.kv_cache_shape(num_blocks, block_size)
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(model.num_layers)]
+
+
+def model_step(model: Any, metadata: AttentionMetadata, block_size: int,
+               ) -> AbstractContextManager[None]:
+    """The forward context of one step of `model` outside an engine: the attention backend
+    the engine would choose for it, planning `metadata`."""
+    weight = model.model.embed_tokens.weight
+    backend = select_attention_backend(weight.device, weight.dtype, model.num_local_heads,
+                                       model.num_local_kv_heads, model.config.head_dim,
+                                       block_size)
+    backend.plan(metadata)
+    return forward_context(metadata, backend)

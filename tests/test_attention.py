@@ -1,4 +1,4 @@
-"""paged_attention against the slow reference, over the mixes the engine produces."""
+"""The attention backends against the slow reference, over the mixes the engine produces."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ import pytest
 import torch
 
 from engine.attention import metadata as attention_metadata
-from engine.attention import paged as attention
+from engine.attention.base import AttentionBackend
+from engine.attention.cpu_backend import CpuBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.paged import paged_attention, reference_attention, write_kv
+from engine.attention.reference import reference_attention, write_kv
+from engine.attention.selector import select_attention_backend
+from engine.attention.torch_backend import TorchBackend
+from engine.kernels import paged_decode
+from engine.kernels.elementwise import rows_of_contiguous_heads
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,12 @@ TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # Decode implementations: the C++ kernel, and the torch path's two ways, one with every
 # decode in one bucket and one forced to split into several.
 DECODE_IMPLS = {
-    "cpp": {"CPP_DECODE": True},
-    "matmul": {"CPP_DECODE": False, "DECODE_KERNEL": "matmul"},
-    "sdpa": {"CPP_DECODE": False, "DECODE_KERNEL": "sdpa"},
-    "matmul_buckets": {"CPP_DECODE": False, "DECODE_KERNEL": "matmul",
+    "cpp": {"backend": "cpp"},
+    "matmul": {"backend": "torch", "decode_kernel": "matmul"},
+    "sdpa": {"backend": "torch", "decode_kernel": "sdpa"},
+    "matmul_buckets": {"backend": "torch", "decode_kernel": "matmul",
                        "BUCKET_OVERHEAD_BLOCKS": 0},
-    "sdpa_buckets": {"CPP_DECODE": False, "DECODE_KERNEL": "sdpa", "BUCKET_OVERHEAD_BLOCKS": 0},
+    "sdpa_buckets": {"backend": "torch", "decode_kernel": "sdpa", "BUCKET_OVERHEAD_BLOCKS": 0},
 }
 
 
@@ -76,12 +81,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def use_decode_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if impl == "cpp":
-        assert attention.load_cpp_decode() is not None, "the C++ decode kernel did not build"
-    for name, value in DECODE_IMPLS[impl].items():
-        planned = name == "BUCKET_OVERHEAD_BLOCKS"  # a knob of the step's plan
-        monkeypatch.setattr(attention_metadata if planned else attention, name, value)
+def backend_for(impl: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
+    settings = DECODE_IMPLS[impl]
+    if "BUCKET_OVERHEAD_BLOCKS" in settings:  # a knob of the step's plan
+        monkeypatch.setattr(attention_metadata, "BUCKET_OVERHEAD_BLOCKS",
+                            settings["BUCKET_OVERHEAD_BLOCKS"])
+    if settings["backend"] == "cpp":
+        assert paged_decode.load_cpp_decode() is not None, "the C++ decode kernel did not build"
+        return CpuBackend(case.block_size, case.num_kv_heads)
+    return TorchBackend(case.block_size, case.num_kv_heads, settings["decode_kernel"])
 
 
 @dataclass
@@ -126,9 +134,9 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> Inputs:
     )
 
 
-def build(inputs: Inputs, block_size: int) -> AttentionMetadata:
-    return AttentionMetadata.build(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
-                                   inputs.slot_mapping, block_size, "cpu")
+def build(inputs: Inputs, backend: AttentionBackend) -> AttentionMetadata:
+    return backend.build_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
+                                  inputs.slot_mapping, "cpu")
 
 
 def expected(inputs: Inputs, metadata: AttentionMetadata, scale: float):
@@ -142,14 +150,14 @@ def expected(inputs: Inputs, metadata: AttentionMetadata, scale: float):
 def test_matches_reference(
     case: Case, impl: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    use_decode_impl(impl, monkeypatch)
+    backend = backend_for(impl, case, monkeypatch)
     inputs = make_inputs(case, dtype)
-    metadata = build(inputs, case.block_size)
+    metadata = build(inputs, backend)
     scale = case.head_dim**-0.5
     want, want_k, want_v = expected(inputs, metadata, scale)
     k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
     for _ in range(2):  # a second layer reuses the step's plan and workspaces
-        got = paged_attention(inputs.q, inputs.k, inputs.v, k_cache, v_cache, metadata, scale)
+        got = backend.forward(inputs.q, inputs.k, inputs.v, k_cache, v_cache, metadata, scale)
         tol = TOLERANCES[dtype]
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
@@ -157,28 +165,28 @@ def test_matches_reference(
 
 @pytest.mark.parametrize("impl", ["cpp", "matmul"])
 def test_several_threads(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    use_decode_impl(impl, monkeypatch)
     case = Case("threads", (*((1, 40 + 9 * i) for i in range(24)), (17, 17), (9, 50)))
+    backend = backend_for(impl, case, monkeypatch)
     inputs = make_inputs(case, torch.float32, seed=2)
-    metadata = build(inputs, case.block_size)
+    metadata = build(inputs, backend)
     want, _, _ = expected(inputs, metadata, 0.125)
     torch.set_num_threads(2)
-    got = paged_attention(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+    got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
                           inputs.v_cache.clone(), metadata, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", list(DECODE_IMPLS))
 def test_views_of_a_fused_qkv_projection(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    use_decode_impl(impl, monkeypatch)
     case = next(c for c in CASES if c.name == "mixed")
+    backend = backend_for(impl, case, monkeypatch)
     inputs = make_inputs(case, torch.bfloat16, seed=3)
     heads, kv_heads, dim = case.num_heads, case.num_kv_heads, case.head_dim
     qkv = torch.cat([inputs.q.flatten(1), inputs.k.flatten(1), inputs.v.flatten(1)], dim=1)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
-    metadata = build(inputs, case.block_size)
+    metadata = build(inputs, backend)
     want, _, _ = expected(inputs, metadata, 0.125)
-    got = paged_attention(q.view(-1, heads, dim), k.view(-1, kv_heads, dim),
+    got = backend.forward(q.view(-1, heads, dim), k.view(-1, kv_heads, dim),
                           v.view(-1, kv_heads, dim), inputs.k_cache.clone(),
                           inputs.v_cache.clone(), metadata, 0.125)
     assert got.is_contiguous()
@@ -190,21 +198,34 @@ def test_falls_back_to_torch_when_the_kernel_does_not_compile(
 ) -> None:
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("LOOM_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(attention, "CPP_DECODE", True)
-    attention.load_cpp_library.cache_clear()
-    attention.load_cpp_decode.cache_clear()
+    paged_decode.load_cpp_library.cache_clear()
+    paged_decode.load_cpp_decode.cache_clear()
     try:
-        assert attention.load_cpp_decode() is None
+        assert paged_decode.load_cpp_decode() is None
         case = next(c for c in CASES if c.name == "decode")
+        backend = select_attention_backend(torch.device("cpu"), torch.float32, case.num_heads,
+                                           case.num_kv_heads, case.head_dim, case.block_size)
+        assert type(backend) is TorchBackend
         inputs = make_inputs(case, torch.float32)
-        metadata = build(inputs, case.block_size)
+        metadata = build(inputs, backend)
         want, _, _ = expected(inputs, metadata, 0.125)
-        got = paged_attention(inputs.q, inputs.k, inputs.v, inputs.k_cache, inputs.v_cache,
+        got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache, inputs.v_cache,
                               metadata, 0.125)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     finally:
-        attention.load_cpp_library.cache_clear()
-        attention.load_cpp_decode.cache_clear()
+        paged_decode.load_cpp_library.cache_clear()
+        paged_decode.load_cpp_decode.cache_clear()
+
+
+def test_the_cpp_backend_is_chosen_where_its_kernel_serves() -> None:
+    def choose(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> str:
+        return select_attention_backend(torch.device("cpu"), dtype, heads, kv_heads, dim,
+                                        16).name
+
+    assert choose(torch.bfloat16, 9, 3, 64) == choose(torch.float32, 8, 8, 128) == "cpu-c++"
+    assert choose(torch.float16, 9, 3, 64) == "torch"  # a dtype the kernel does not take
+    assert choose(torch.float32, 64, 2, 64) == "torch"  # a query group wider than it holds
+    assert choose(torch.float32, 4, 1, 512) == "torch"  # a head wider than it holds
 
 
 def test_build_rejects_a_short_block_table() -> None:
@@ -212,15 +233,23 @@ def test_build_rejects_a_short_block_table() -> None:
         AttentionMetadata.build([1], [33], [[0, 1]], [32], 16, "cpu")
 
 
-def test_metadata_built_by_hand_plans_lazily() -> None:
+@pytest.mark.parametrize("impl", ["cpp", "matmul"])
+def test_metadata_built_by_hand_is_planned_by_its_backend(
+    impl: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     case = next(c for c in CASES if c.name == "mixed")
+    backend = backend_for(impl, case, monkeypatch)
     inputs = make_inputs(case, torch.float32, seed=1)
-    built = build(inputs, case.block_size)
+    built = build(inputs, backend)
     by_hand = AttentionMetadata(built.query_start_loc, built.seq_lens, built.block_tables,
                                 built.slot_mapping)
     scale = case.head_dim**-0.5
     want, _, _ = expected(inputs, built, scale)
-    got = paged_attention(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+    with pytest.raises(RuntimeError, match="before its backend planned it"):
+        backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+                        inputs.v_cache.clone(), by_hand, scale)
+    backend.plan(by_hand)
+    got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
                           inputs.v_cache.clone(), by_hand, scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -237,18 +266,17 @@ def test_build_fields() -> None:
 
 @pytest.mark.parametrize("cpp", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_write_kv_puts_each_token_in_its_slot(monkeypatch: pytest.MonkeyPatch, cpp: bool,
-                                              dtype: torch.dtype) -> None:
+def test_write_kv_puts_each_token_in_its_slot(cpp: bool, dtype: torch.dtype) -> None:
     """Both ways: the C++ copy reads k and v as strided slices of a fused qkv row."""
-    monkeypatch.setattr(attention, "CPP_DECODE", cpp)
     block_size, num_kv_heads, head_dim = 4, 2, 8
+    backend = (CpuBackend if cpp else TorchBackend)(block_size, num_kv_heads)
     k_cache = torch.zeros(6, num_kv_heads, block_size, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     slots = [21, 3, 8, 9, 14]
     qkv = torch.randn(len(slots), 3 * num_kv_heads, head_dim, dtype=dtype)
     k, v = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
-    assert attention.cpp_write_applies(k, v, k_cache, v_cache) == cpp
-    write_kv(k, v, k_cache, v_cache, torch.tensor(slots))
+    assert rows_of_contiguous_heads(k) and rows_of_contiguous_heads(v), "read in place"
+    backend.write_kv(k, v, k_cache, v_cache, torch.tensor(slots))
     for token, slot in enumerate(slots):
         block, offset = divmod(slot, block_size)
         assert torch.equal(k_cache[block, :, offset], k[token])
@@ -261,11 +289,10 @@ def test_write_kv_puts_each_token_in_its_slot(monkeypatch: pytest.MonkeyPatch, c
 
 
 @pytest.mark.parametrize("cpp", [True, False], ids=["cpp", "torch"])
-def test_write_kv_refuses_a_slot_outside_the_cache(monkeypatch: pytest.MonkeyPatch,
-                                                   cpp: bool) -> None:
-    monkeypatch.setattr(attention, "CPP_DECODE", cpp)
+def test_write_kv_refuses_a_slot_outside_the_cache(cpp: bool) -> None:
+    backend = (CpuBackend if cpp else TorchBackend)(4, 1)
     k_cache = torch.zeros(2, 1, 4, 8)
     k = torch.randn(1, 1, 8)
     with pytest.raises((IndexError, RuntimeError)):
-        write_kv(k, k, k_cache, torch.zeros_like(k_cache), torch.tensor([8]))
+        backend.write_kv(k, k, k_cache, torch.zeros_like(k_cache), torch.tensor([8]))
     assert not k_cache.any()

@@ -11,11 +11,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from bench.launched import REPO_ROOT
-from engine.attention.forward_context import forward_context
-from engine.executor.compiled_forward import compile_forward
 from engine.executor.model_runner import ModelRunner
 from engine.weights.loader import load_model
-from tests.model_fixtures import build_metadata, build_tiny_llama_dir, positions_for
+from tests.model_fixtures import build_metadata, build_tiny_llama_dir, model_step, positions_for
 
 BLOCK_SIZE = 4
 HEAD_DIM = 16  # the tiny model's: a batch of 16 tokens must not share its symbol
@@ -23,17 +21,20 @@ HEAD_DIM = 16  # the tiny model's: a batch of 16 tokens must not share its symbo
 
 def step_logits(forward, model, kv_caches, token_ids, seq_lens, query_lens, tables):
     metadata = build_metadata(tables, seq_lens, query_lens, BLOCK_SIZE)
-    with torch.inference_mode(), forward_context(metadata):
+    with torch.inference_mode(), model_step(model, metadata, BLOCK_SIZE):
         hidden = forward(torch.tensor(token_ids), positions_for(seq_lens, query_lens),
                          kv_caches)
         return model.compute_logits(hidden)
 
 
 def test_compiled_logits_match_eager_over_prefill_and_decode_steps(tmp_path) -> None:
-    model = load_model(build_tiny_llama_dir(tmp_path), torch.float32, torch.device("cpu"))
-    compiled = compile_forward(model)
+    model_dir = build_tiny_llama_dir(tmp_path)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    twin = load_model(model_dir, torch.float32, torch.device("cpu"))
     eager_runner = ModelRunner(model, 64, BLOCK_SIZE, torch.device("cpu"), torch.float32)
-    compiled_runner = ModelRunner(model, 64, BLOCK_SIZE, torch.device("cpu"), torch.float32)
+    compiled_runner = ModelRunner(twin, 64, BLOCK_SIZE, torch.device("cpu"), torch.float32,
+                                  compiled=True)
+    assert eager_runner.kernels.elementwise == "cpu" and compiled_runner.kernels.compiled
     tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
     steps = [  # (token ids, seq lens, query lens): prefills, then a mixed step, then decodes
         ([5, 9, 11, 3, 7, 2, 8], [4, 3], [4, 3]),
@@ -45,8 +46,8 @@ def test_compiled_logits_match_eager_over_prefill_and_decode_steps(tmp_path) -> 
         picked = tables[:len(seq_lens)]
         want = step_logits(model, model, eager_runner.kv_caches, token_ids, seq_lens,
                            query_lens, picked)
-        got = step_logits(compiled, model, compiled_runner.kv_caches, token_ids, seq_lens,
-                          query_lens, picked)
+        got = step_logits(compiled_runner.forward, twin, compiled_runner.kv_caches, token_ids,
+                          seq_lens, query_lens, picked)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

@@ -16,14 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention.forward_context import forward_context
 from tests.engine_helpers import (
     assert_equals_transformers_generate,
     greedy_request,
     make_core,
     run_to_completion,
 )
-from tests.model_fixtures import allocate_kv_caches, build_tiny_hf_model, contiguous_metadata
+from tests.model_fixtures import (
+    allocate_kv_caches,
+    build_tiny_hf_model,
+    contiguous_metadata,
+    model_step,
+)
 
 DEVICE = torch.device(os.environ.get("LOOM_TEST_DEVICE", "cpu"))
 BLOCK_SIZE = 16
@@ -37,7 +41,7 @@ def prefill_logits_on(core, prompt: list[int]) -> torch.Tensor:
     kv_caches = allocate_kv_caches(core.model, blocks, BLOCK_SIZE, core.dtype, core.device)
     metadata = contiguous_metadata([len(prompt)], [len(prompt)], BLOCK_SIZE, blocks,
                                    core.device)
-    with torch.no_grad(), forward_context(metadata):
+    with torch.no_grad(), model_step(core.model, metadata, BLOCK_SIZE):
         hidden = core.model(torch.tensor(prompt, device=core.device),
                             torch.arange(len(prompt), device=core.device), kv_caches)
         return core.model.compute_logits(hidden[-1:])[0].cpu()

@@ -1,4 +1,4 @@
-"""The C++ elementwise kernels against the torch ops they replace."""
+"""The elementwise layers' C++ kernels (`forward_cpu`) against the torch ops they replace."""
 
 from __future__ import annotations
 
@@ -7,15 +7,29 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.elementwise import load_elementwise
-from engine.layers import elementwise as fused_ops
+from engine.layers.activation import SiluAndMul
+from engine.layers.custom_op import Implementation
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import Rotary
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
-def kernels_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def kernels_built() -> None:
     assert load_elementwise() is not None, "the C++ elementwise kernels did not build"
-    monkeypatch.setattr(fused_ops, "CPP_ELEMENTWISE", True)
+
+
+def norm_of(weight: torch.Tensor, eps: float, implementation: Implementation) -> RMSNorm:
+    norm = RMSNorm(weight.shape[0], eps, weight.dtype)
+    norm.weight.data.copy_(weight)
+    norm.use(implementation)
+    return norm
+
+
+def layer(op: SiluAndMul | Rotary, implementation: Implementation) -> SiluAndMul | Rotary:
+    op.use(implementation)
+    return op
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -28,12 +42,13 @@ def test_rms_norm_and_the_fused_residual_add(dtype: torch.dtype, rows: int) -> N
     tolerance = TOLERANCES[dtype]
 
     want = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
-    got = fused_ops.rms_norm(x, weight, 1e-5)
+    norm = norm_of(weight, 1e-5, "cpu")
+    got = norm(x)
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
     want_sum = (x + residual).float()  # rounded to dtype as the unfused add stores it
     want = F.rms_norm(want_sum, (576,), weight.float(), 1e-5)
-    normed, summed = fused_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    normed, summed = norm(x.clone(), residual.clone())
     torch.testing.assert_close(summed.float(), want_sum, atol=0, rtol=0)
     torch.testing.assert_close(normed.float(), want, atol=tolerance, rtol=tolerance)
 
@@ -46,19 +61,18 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
     gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.5, 88.5, 1e-8], dtype=dtype)
     gate, up = gate_up.float().split(1536, dim=-1)
     want = F.silu(gate) * up
-    got = fused_ops.silu_and_mul(gate_up)
+    got = layer(SiluAndMul(), "cpu")(gate_up)
     assert got.shape == (rows, 1536) and got.dtype == dtype
     tolerance = TOLERANCES[dtype]
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
-def test_torch_ops_serve_where_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_ops, "CPP_ELEMENTWISE", False)
+def test_the_native_implementations_are_the_torch_ops() -> None:
     x, residual, weight = torch.randn(4, 8), torch.randn(4, 8), torch.rand(8) + 0.5
-    normed, summed = fused_ops.add_rms_norm(x, residual, weight, 1e-6)
+    normed, summed = norm_of(weight, 1e-6, "native")(x, residual)
     torch.testing.assert_close(summed, x + residual)
     torch.testing.assert_close(normed, F.rms_norm(x + residual, (8,), weight, 1e-6))
-    torch.testing.assert_close(fused_ops.silu_and_mul(torch.cat((x, residual), -1)),
+    torch.testing.assert_close(layer(SiluAndMul(), "native")(torch.cat((x, residual), -1)),
                                F.silu(x) * residual)
 
 
@@ -84,7 +98,7 @@ def test_rotary_rotates_the_q_and_k_slices_of_a_fused_qkv_row_in_place(
     qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
     v_before = qkv[:, (heads + kv_heads) * dim:].clone()
     want = torch_rotary(qk, cos, signed_sin)
-    got = fused_ops.rotary(qk, cos, signed_sin)
+    got = layer(Rotary(), "cpu")(qk, cos, signed_sin)
     assert got.data_ptr() == qk.data_ptr(), "rotated in place"
     tolerance = TOLERANCES[dtype]
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)

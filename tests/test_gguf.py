@@ -27,7 +27,8 @@ from common.default_model import default_gguf_file
 from common.gguf_convert import unpermute_rotary
 from common.gguf_model import prepare_gguf
 from common.sockets import free_port
-from engine.quantization.linear import Int4Linear, Q8_0Linear
+from engine.quantization.int4 import Int4Linear
+from engine.quantization.q8_0 import Q8_0Linear
 from engine.weights.gguf import keep_gguf_quantization, kept_groups, q4_codes
 from engine.weights.gguf_file import GGUFTensor, read_tensors
 from engine.weights.loader import load_model
@@ -118,7 +119,7 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
     assert not any(isinstance(module, Int4Linear) for module in quantized.modules())
     config = json.loads((Path(model_dir) / "config.json").read_text())
     tensors = read_tensors(tiny_gguf)
-    kept = keep_gguf_quantization(quantized, tensors, kept_groups(tensors, config), config,
+    kept = keep_gguf_quantization(quantized, tensors, kept_groups(quantized, tensors), config,
                                   torch.float32)
     assert len(kept) == 4 * TINY_LLAMA["num_hidden_layers"] + 1
     layer = quantized.model.layers[0]

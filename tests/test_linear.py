@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.linear import PackedLinear, packing_applies, prepack_linears
+from engine.quantization.unquantized import PackedLinear, packing_applies, prepack_linears
 from engine.weights.loader import load_model
 from tests.model_fixtures import build_tiny_llama_dir
 

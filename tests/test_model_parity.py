@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from common.default_model import resolve_model
-from engine.attention.forward_context import forward_context
-from engine.models.llama import LlamaForCausalLM, ModelConfig, RopeConfig, rope_inv_freq
+from engine.layers.rotary import RopeConfig, rope_inv_freq
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
 from engine.platform.cpu import choose_dtype, cpu_has_native_bf16
 from engine.weights.loader import load_model
 from tests.model_fixtures import (
@@ -21,6 +22,7 @@ from tests.model_fixtures import (
     build_tiny_hf_model,
     build_tiny_llama_dir,
     contiguous_metadata,
+    model_step,
     positions_for,
 )
 
@@ -39,7 +41,7 @@ def run_step(model: LlamaForCausalLM, kv_caches, token_ids: list[int], seq_lens:
              query_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
     """One engine step over a flattened batch; logits for every scheduled token."""
     metadata = build_metadata(block_tables, seq_lens, query_lens, BLOCK_SIZE)
-    with torch.no_grad(), forward_context(metadata):
+    with torch.no_grad(), model_step(model, metadata, BLOCK_SIZE):
         hidden = model(torch.tensor(token_ids), positions_for(seq_lens, query_lens), kv_caches)
         return model.compute_logits(hidden)
 
@@ -48,7 +50,7 @@ def prefill_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tenso
     blocks = -(-len(token_ids) // BLOCK_SIZE)
     kv_caches = allocate_kv_caches(model, blocks, BLOCK_SIZE)
     metadata = contiguous_metadata([len(token_ids)], [len(token_ids)], BLOCK_SIZE, blocks)
-    with torch.no_grad(), forward_context(metadata):
+    with torch.no_grad(), model_step(model, metadata, BLOCK_SIZE):
         hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), kv_caches)
         return model.compute_logits(hidden)
 
@@ -160,12 +162,12 @@ def test_dynamic_ntk_matches_transformers_per_position() -> None:
             "rope_theta": 10000.0}
     scaling = {"rope_type": "dynamic", "factor": 2.0}
     ours = LlamaForCausalLM(ModelConfig.from_hf({**base, "rope_parameters": scaling}))
-    assert ours.rope_cos.shape == (128, 64)
+    assert ours.model.rotary_tables.cos.shape == (128, 64)
     hf_config = transformers.LlamaConfig(**base, rope_scaling=dict(scaling))
     for position in (10, 63, 64, 100, 127):
         inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf_config, "cpu", seq_len=position + 1)
         expected = torch.cos(position * inv_freq).repeat(2)
-        torch.testing.assert_close(ours.rope_cos[position], expected)
+        torch.testing.assert_close(ours.model.rotary_tables.cos[position], expected)
 
 
 def test_model_config_variants() -> None:

@@ -18,15 +18,12 @@ from torch import nn
 
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.q8_0_matmul import load_q8_kernel
-from engine.quantization.linear import (
-    Int4Linear,
-    Int8Linear,
-    Q8_0Linear,
-    QuantizedLinear,
-    W8A8Linear,
-    attach_dense_copies,
-    quantize_linears,
-)
+from engine.quantization.base import QuantizedLinear
+from engine.quantization.int4 import Int4Linear
+from engine.quantization.int8 import Int8Linear
+from engine.quantization.q8_0 import Q8_0Linear
+from engine.quantization.registry import attach_dense_copies, quantize_linears
+from engine.quantization.w8a8 import W8A8Linear
 from engine.weights.loader import load_model
 from tests.engine_helpers import (
     assert_equals_transformers_generate,
@@ -175,7 +172,8 @@ def test_int4_groups_must_divide_the_input_channels() -> None:
 
 
 def test_quantize_linears_replaces_every_linear_and_a_tied_head() -> None:
-    from engine.models.llama import LlamaForCausalLM, ModelConfig
+    from engine.models.config import ModelConfig
+    from engine.models.llama import LlamaForCausalLM
 
     config = ModelConfig.from_hf(build_tiny_hf_model(tie_word_embeddings=True).config.to_dict())
     model = LlamaForCausalLM(config, dtype=torch.float32)

@@ -23,7 +23,7 @@ DEVICE = torch.device("cuda" if NATIVE else "cpu")
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
 from engine.attention import triton_kernels as triton_attention  # noqa: E402
-from engine.attention.paged import query_rows  # noqa: E402
+from engine.attention.triton_backend import query_rows  # noqa: E402
 from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
 
 

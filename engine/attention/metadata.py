@@ -1,10 +1,10 @@
 """One step's attention metadata and its plan, shared by every layer of the step.
 
-The model runner builds one `AttentionMetadata` per step for the flattened variable-length
-batch (`AttentionMetadata.build`): query offsets, context lengths, block tables, slot mapping.
-Everything derivable from it alone (the decode/prefill split, the C++ kernel's rows, decode
-buckets for the torch path, gather rows and masks) is planned once, by the first layer that
-needs it, and reused by the rest (engine.attention.paged).
+The attention backend chosen at start-up (engine.attention.selector) builds one
+`AttentionMetadata` per step for the flattened variable-length batch before the forward
+(`AttentionBackend.build_metadata`): query offsets, context lengths, block tables, slot
+mapping, and what its layers will read of it, planned once (the decode/prefill split, the C++
+kernel's rows, decode buckets for the torch path, gather rows and masks).
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B]: context length of request i after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int64 on device, padded with 0
     slot_mapping: torch.Tensor  # [T] int64 on device: block_id * block_size + offset per new token
-    plan: StepPlan | None = None  # made by the first layer that needs it (`step_plan`)
+    plan: StepPlan | None = None  # made by the backend's builder (none for Triton)
     workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
-    head_plans: dict[tuple[int, bool], HeadPlan] = field(default_factory=dict)
+    head_plans: dict[int, HeadPlan] = field(default_factory=dict)  # by KV head count
     triton_rows: QueryRows | None = None  # the Triton kernels' per-row view, made once a step
     # Recorded into a CUDA graph (engine.executor.cuda_graphs): only the tensors above are the
     # step's, the lists are the recording's, so attention takes the Triton path, which
@@ -169,8 +169,7 @@ class AttentionMetadata:
         device: torch.device | str,
         workspace: Workspace | None = None,
     ) -> AttentionMetadata:
-        """One step's metadata. The plan every layer reuses is made by the first layer that
-        needs it (the Triton path needs none: planning would only cost it device syncs)."""
+        """One step's metadata, unplanned: the backend's builder plans what its layers read."""
         for table, seq_len in zip(block_tables, seq_lens, strict=True):
             if len(table) * block_size < seq_len:
                 raise ValueError(f"a block table of {len(table)} blocks for {seq_len} tokens")
@@ -188,24 +187,12 @@ class AttentionMetadata:
         )
         return metadata
 
-    def step_plan(self, block_size: int) -> StepPlan:
-        if self.static:
-            raise RuntimeError("a graph-recorded step has no plan: its lists are not the step's")
-        if self.plan is None:
-            self.plan = plan_step(self, block_size)
-        if self.plan.block_size != block_size:
-            raise ValueError(f"metadata planned for blocks of {self.plan.block_size} tokens, "
-                             f"the cache has {block_size}")
-        return self.plan
-
-    def head_plan(self, num_kv_heads: int, block_size: int, kernel: bool) -> HeadPlan:
-        """`kernel`: the C++ kernel serves the plan's kernel rows, which need no gathering."""
-        key = (num_kv_heads, kernel)
-        if key not in self.head_plans:
-            plan = self.step_plan(block_size)
-            self.head_plans[key] = expand_for_heads(plan, self.slot_mapping, num_kv_heads,
-                                                    kernel)
-        return self.head_plans[key]
+    def planned(self, num_kv_heads: int) -> tuple[StepPlan, HeadPlan]:
+        """The step plan and its expansion for `num_kv_heads`, as the builder made them."""
+        if self.plan is None or num_kv_heads not in self.head_plans:
+            raise RuntimeError(f"attention metadata for {num_kv_heads} KV heads used before "
+                               "its backend planned it")
+        return self.plan, self.head_plans[num_kv_heads]
 
 
 # ---------------------------------------------------------------- planning, once per step
@@ -215,7 +202,8 @@ def blocks_for(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
-def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool) -> StepPlan:
+    """`kernel`: the C++ kernel takes every decode and every row of the short prefill chunks."""
     query_lens = metadata.query_lens
     if metadata.block_tables.shape[1] * block_size < max(metadata.seq_lens, default=0):
         raise ValueError("block tables are narrower than the longest context")
@@ -223,6 +211,8 @@ def plan_step(metadata: AttentionMetadata, block_size: int) -> StepPlan:
     prefill_ids = [i for i, query_len in enumerate(query_lens) if query_len > 1]
     prefills = [plan_prefill(metadata, i, block_size) for i in prefill_ids]
     decodes = plan_decodes(metadata, decode_ids) if decode_ids else None
+    if not kernel:
+        return StepPlan(block_size, decodes, prefills)
     short = [i for i in prefill_ids if query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS]
     kernel_rows = decodes
     if short:

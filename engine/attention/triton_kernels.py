@@ -1,6 +1,6 @@
-"""Triton kernels behind `engine.attention.paged`'s boundary, for CUDA devices: the KV-cache write
-through the slot mapping, and paged attention over the block tables for a whole varlen step
-in one launch.
+"""Triton kernels behind the Triton attention backend (engine.attention.triton_backend), for
+CUDA devices: the KV-cache write through the slot mapping, and paged attention over the block
+tables for a whole varlen step in one launch.
 
 - `write_kv`: one program per new token writes its K and V heads into their cache rows.
 - `paged_attention`: one program per (query row, KV head). A query row is a decode, or one
@@ -29,8 +29,8 @@ import torch
 @dataclass(slots=True)
 class QueryRows:
     """Per query row of a step: the request's row of the block tables and how many tokens
-    it sees (its position + 1). Built once per step (`engine.attention.paged.query_rows`), shared
-    by every layer."""
+    it sees (its position + 1). Built once per step by the backend's builder
+    (engine.attention.triton_backend), shared by every layer."""
 
     request: torch.Tensor  # [T] int32
     context_len: torch.Tensor  # [T] int32

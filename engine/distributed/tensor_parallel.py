@@ -1,14 +1,10 @@
 """Tensor parallelism over torch.distributed (gloo on the CPU, NCCL on CUDA).
 
-Each rank holds a slice of every layer (Megatron's split):
-- attention: its KV heads and their query heads (whole GQA groups; an uneven count splits
-  as evenly as it can, so SmolLM2's 3 KV heads go 2 + 1 on two ranks), the qkv projection's
-  rows and the output projection's columns for them, and a KV cache for its heads only;
-- MLP: its share of the intermediate columns (gate and up rows, down columns);
-- the output projections of both (row-parallel) sum their partial results over the ranks;
-- embedding and lm_head: a slice of the vocabulary each (an id outside the slice looks up
-  zeros, the sum over ranks restores it; the logits slices are gathered back in order).
-Norms and rotary tables are replicated; a bias of a row-parallel layer is added by rank 0.
+Each rank holds a slice of every layer, as the layers declare it (engine.layers.linear,
+engine.layers.embedding): whole GQA groups of attention heads and a KV cache for them, a
+share of the MLP's intermediate columns, a slice of the vocabulary; row-parallel products
+are summed over the ranks, the head's logits gathered. Norms and rotary tables are
+replicated.
 
 Rank 0 is the engine process: it schedules, samples and broadcasts each step's inputs
 (`StepInputs`, one int64 tensor) to the other ranks (engine.distributed.tp_worker), which run
@@ -27,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from common.config import EngineConfig
 from common.processes import core_slice, die_with_parent, env_for_cores
@@ -85,9 +79,23 @@ def dist_backend() -> str:
     return dist.get_backend()
 
 
+def tp_shard() -> TPShard:
+    """This process's rank among the tensor-parallel ranks (rank 0 of 1 without them)."""
+    if dist.is_available() and dist.is_initialized():
+        return TPShard(dist.get_rank(), dist.get_world_size())
+    return TPShard(0, 1)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
     return x
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x`, concatenated in rank order along the last axis."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
 
 
 def broadcast_step(packed: torch.Tensor | None) -> None:
@@ -114,119 +122,6 @@ def broadcast_int(value: int | None = None) -> int:
     box = torch.tensor([value if value is not None else 0], dtype=torch.int64)
     dist.broadcast(box, 0, group=host_group())
     return int(box.item())
-
-
-class RowParallel(nn.Module):
-    """A linear over this rank's slice of the input features; partial sums all-reduced."""
-
-    def __init__(self, linear: nn.Module) -> None:
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.linear.forward(x).contiguous())
-
-
-class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor, start: int, end: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.start, self.end = start, end
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        inside = (input_ids >= self.start) & (input_ids < self.end)
-        local = (input_ids - self.start).clamp(0, max(self.end - self.start - 1, 0))
-        embedded = F.embedding(local, self.weight) * inside[:, None].to(self.weight.dtype)
-        return all_reduce(embedded)
-
-
-class VocabParallelHead(nn.Module):
-    """lm_head over this rank's vocabulary slice; the slices gathered into full logits."""
-
-    def __init__(self, linear: nn.Module, vocab: int, size: int) -> None:
-        super().__init__()
-        self.linear = linear
-        self.vocab = vocab
-        self.chunk = -(-vocab // size)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = self.linear.forward(hidden)
-        if local.shape[-1] < self.chunk:  # the last slice is short: pad to gather
-            local = F.pad(local, (0, self.chunk - local.shape[-1]))
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)[..., :self.vocab]
-
-
-def linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                      dtype=weight.dtype, device=weight.device)
-    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
-    return layer
-
-
-def shard_model(model: nn.Module, shard: TPShard) -> None:
-    """Cuts a loaded (float) model down to this rank's slices, in place (see the module)."""
-    config = model.config
-    if config.num_key_value_heads < shard.size:
-        raise ValueError(f"tensor parallel size {shard.size} exceeds the model's "
-                         f"{config.num_key_value_heads} KV heads")
-    for layer in model.model.layers:
-        shard_attention(layer.self_attn, shard)
-        shard_mlp(layer.mlp, shard)
-    shard_vocab(model, shard)
-
-
-def shard_attention(attention: nn.Module, shard: TPShard) -> None:
-    head_dim, group = attention.head_dim, attention.num_heads // attention.num_kv_heads
-    kv_start, kv_end = shard.span(attention.num_kv_heads)
-    q_size, kv_size = attention.q_size, attention.kv_size
-    q_rows = slice(kv_start * group * head_dim, kv_end * group * head_dim)
-    kv_rows = slice(kv_start * head_dim, kv_end * head_dim)
-    qkv = attention.qkv_proj
-
-    def rows(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat([tensor[q_rows], tensor[q_size:][kv_rows],
-                          tensor[q_size + kv_size:][kv_rows]])
-
-    attention.qkv_proj = linear_of(rows(qkv.weight), None if qkv.bias is None else rows(qkv.bias))
-    attention.o_proj = RowParallel(row_parallel_linear(attention.o_proj, q_rows, shard))
-    attention.num_kv_heads = kv_end - kv_start
-    attention.num_heads = attention.num_kv_heads * group
-    attention.q_size = attention.num_heads * head_dim
-    attention.kv_size = attention.num_kv_heads * head_dim
-
-
-def shard_mlp(mlp: nn.Module, shard: TPShard) -> None:
-    size = mlp.intermediate_size
-    start, end = shard.span(size)
-    gate_up = mlp.gate_up_proj
-
-    def rows(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat([tensor[start:end], tensor[size + start:size + end]])
-
-    mlp.gate_up_proj = linear_of(rows(gate_up.weight),
-                                 None if gate_up.bias is None else rows(gate_up.bias))
-    mlp.down_proj = RowParallel(row_parallel_linear(mlp.down_proj, slice(start, end), shard))
-    mlp.intermediate_size = end - start
-
-
-def row_parallel_linear(linear: nn.Linear, columns: slice, shard: TPShard) -> nn.Linear:
-    bias = linear.bias if shard.rank == 0 else None
-    return linear_of(linear.weight[:, columns], bias)
-
-
-def shard_vocab(model: nn.Module, shard: TPShard) -> None:
-    vocab = model.config.vocab_size
-    start, end = shard.vocab_span(vocab)
-    embedding = model.model.embed_tokens.weight
-    head_weight = embedding if model.lm_head is None else model.lm_head.weight
-    model.model.embed_tokens = VocabParallelEmbedding(embedding[start:end].contiguous(),
-                                                      start, end)
-    model.lm_head = VocabParallelHead(linear_of(head_weight[start:end], None), vocab,
-                                      shard.size)
 
 
 class RankDied(RuntimeError):

@@ -33,7 +33,6 @@ def main() -> int:
 
     from engine.core import choose_device
     from engine.distributed.tensor_parallel import (
-        TPShard,
         broadcast_int,
         host_group,
         init_group,
@@ -51,8 +50,7 @@ def main() -> int:
     keep_to_cores(args.rank, rank_layout(config), device)
     init_group(args.rank, args.size, args.master_addr, args.master_port, device)
     model = load_model(config.model, dtype, device, quantization=config.quantization,
-                       group_size=config.quantization_group_size,
-                       shard=TPShard(args.rank, args.size))
+                       group_size=config.quantization_group_size)
     num_blocks = broadcast_int()
     runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
     logger.info("ready: %d of %d KV heads, %d KV blocks", model.num_local_kv_heads,

@@ -1,10 +1,11 @@
 """The compiled forward: torch.compile (inductor) of the same model, same weights.
 
-- Attention stays one opaque op (`loom::paged_attention`, see engine.attention.paged.attend) that
-  reads the step's metadata from the forward context, so each step is one whole graph.
+- Attention stays one opaque op (`loom::paged_attention`, engine.attention.op) that reads
+  the step's metadata and backend from the forward context, so each step is one whole graph.
 - Packed and quantized linears stay the eager path's layers, each called as one opaque op
-  (`loom::linear`, engine.layers.opaque_linear); inductor fuses what lies between them. While
-  tracing, engine.layers.elementwise hands inductor plain torch ops, which it fuses itself.
+  (`loom::linear`, engine.layers.opaque_linear); inductor fuses what lies between them. The
+  elementwise layers run their torch ops, which it fuses itself (engine.executor.kernel_choice
+  binds all of that once, before compiling).
 - No freezing: the graph holds no weights, so inductor's FX graph cache (under
   $LOOM_CACHE/inductor) stores it and a warm start loads it instead of recompiling. (Frozen
   weights that inductor prepacks for oneDNN bypass that cache: "mkldnn tensors unpickleable".)

@@ -9,8 +9,9 @@ reserved KV block that no request ever owns. Prefill and mixed steps, and decode
 the largest bucket, run eagerly; `--enforce-eager` turns graphs off.
 
 Inside a graph, attention may read only tensors whose addresses never change: the recorded
-step's metadata holds views of the persistent buffers and is marked `static`, which takes the
-Triton path of engine.attention.paged, the one path that reads no per-step Python values.
+step's metadata holds views of the persistent buffers and is marked `static`; the graphs run
+the Triton backend (engine.attention.triton_backend), the one that reads no per-step Python
+values.
 
 A `Recorder` hides the one CUDA-only piece. `CudaGraphRecorder` records and replays real
 graphs; `EagerReplay` (CPU tests, through Triton's interpreter) re-runs the recorded function
@@ -31,6 +32,7 @@ import torch
 
 from engine.attention.forward_context import forward_context
 from engine.attention.metadata import AttentionMetadata, blocks_for
+from engine.attention.triton_backend import TritonBackend
 from engine.attention.triton_kernels import QueryRows
 
 logger = logging.getLogger(__name__)
@@ -181,7 +183,7 @@ class DecodeInputs:
         """What attention reads inside a graph of `size` rows: views of the buffers only."""
         return AttentionMetadata(
             query_start_loc=list(range(size + 1)),
-            seq_lens=[],  # per step, so never read: `static` takes the Triton path
+            seq_lens=[],  # per step, so never read: the Triton backend reads no list
             block_tables=self.block_tables.device[:size],
             slot_mapping=self.slot_mapping.device[:size],
             triton_rows=QueryRows(self.rows[:size], self.context_lens.device[:size]),
@@ -197,6 +199,8 @@ class DecodeGraphs:
                  device: torch.device, recorder: Recorder) -> None:
         self.forward = forward
         self.kv_caches = kv_caches
+        # Recorded steps read only the buffers' views, which the Triton backend alone takes.
+        self.attention = TritonBackend(block_size, kv_caches[0][0].shape[1])
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.inputs = DecodeInputs.allocate(self.sizes[-1], blocks_for(max_model_len, block_size),
                                             padding_block, block_size, device)
@@ -219,7 +223,7 @@ class DecodeGraphs:
         positions = self.inputs.positions.device[:size]
 
         def step() -> torch.Tensor:
-            with forward_context(metadata):
+            with forward_context(metadata, self.attention):
                 return self.forward(input_ids, positions, self.kv_caches)
 
         return step

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention.forward_context import forward_context
-from engine.attention.metadata import AttentionMetadata
 from engine.distributed.tensor_parallel import broadcast_step
 from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.executor.cuda_graphs import DecodeGraphs, Recorder
+from engine.executor.kernel_choice import KernelChoice
 from engine.platform.host_copy import int_tensor
 from engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger("loom.engine")
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -96,6 +99,10 @@ class ModelRunner:
         """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
         others before running it (engine.distributed.tensor_parallel)."""
         self.model = model
+        self.kernels = KernelChoice.choose(model, device, dtype, block_size, compiled)
+        self.kernels.bind(model)
+        logger.info("%s", self.kernels.describe())
+        self.attention = self.kernels.attention
         self.tensor_parallel = tensor_parallel
         self.block_size = block_size
         self.device = device
@@ -120,11 +127,11 @@ class ModelRunner:
     def _placeholder_step(self, num_tokens: int) -> None:
         """`num_tokens` one-token decodes at position 0 of block 0 (free before any request):
         what a step of that many tokens compiles, writing nothing a request will read."""
-        metadata = AttentionMetadata.build([1] * num_tokens, [1] * num_tokens,
-                                           [[0]] * num_tokens, [0] * num_tokens,
-                                           self.block_size, self.device)
+        metadata = self.attention.build_metadata([1] * num_tokens, [1] * num_tokens,
+                                                 [[0]] * num_tokens, [0] * num_tokens,
+                                                 self.device)
         zeros = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with forward_context(metadata):
+        with forward_context(metadata, self.attention):
             self.forward(zeros, zeros, self.kv_caches)
 
     @torch.inference_mode()
@@ -152,9 +159,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
-        metadata = AttentionMetadata.build(inputs.query_lens, inputs.seq_lens,
-                                           inputs.block_tables, inputs.slot_mapping,
-                                           self.block_size, self.device)
-        with forward_context(metadata):
+        metadata = self.attention.build_metadata(inputs.query_lens, inputs.seq_lens,
+                                                 inputs.block_tables, inputs.slot_mapping,
+                                                 self.device)
+        with forward_context(metadata, self.attention):
             return self.forward(int_tensor(inputs.token_ids, self.device),
                                 int_tensor(inputs.positions, self.device), self.kv_caches)

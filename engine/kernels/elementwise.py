@@ -2,7 +2,7 @@
 elementwise.cpp`), fp32 or bf16, math in fp32: RMSNorm with the residual add fused in,
 SiLU(gate) * up, and rotary embeddings in place. One pass over each row instead of several
 torch ops (and their temporaries); built by `engine.kernels.build`, loaded through ctypes.
-`engine.layers.elementwise` is the boundary that picks these or torch ops.
+The layers' `forward_cpu` (engine.layers.norm, rotary, activation) call them.
 """
 
 from __future__ import annotations

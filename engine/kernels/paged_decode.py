@@ -39,6 +39,8 @@ def run_paged_decode(
 ) -> None:
     kernel = load_cpp_decode()
     assert kernel is not None
+    if not q.dtype == k_cache.dtype == v_cache.dtype:  # one dtype flag for all three
+        raise TypeError(f"paged decode of {q.dtype} queries over {k_cache.dtype} caches")
     if batch.max_block >= k_cache.shape[0]:  # the kernel reads blocks without bounds checks
         raise IndexError(f"block {batch.max_block} is outside a cache of {k_cache.shape[0]}")
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:

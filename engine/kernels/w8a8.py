@@ -1,5 +1,5 @@
 """C++/OpenMP passes around w8a8's int8 GEMM on the CPU (`kernels/cpu/w8a8.cpp`, for
-engine.quantization.linear.W8A8Linear): quantizing activations per token, and scaling the int32
+engine.quantization.w8a8.W8A8Linear): quantizing activations per token, and scaling the int32
 products back to float, each one pass over the data where torch needed several ops and
 temporaries. Both compute exactly what the torch ops compute (same divisions, same rounding,
 same order of products), so the layer still answers to float math on its fake-quantized

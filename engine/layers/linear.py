@@ -1,59 +1,207 @@
-"""Linear layers in the form this device multiplies fastest, chosen once at load time.
+"""Linear layers that declare how tensor parallelism splits them and which checkpoint tensors
+they are made of (Megatron's split, as nano-vllm's and vLLM's layers declare it).
 
-On a CPU with native bf16 (AVX512-BF16 or AMX), oneDNN multiplies a bf16 weight that it has
-reordered into its own blocked layout 1.3-2.5x faster than `F.linear` on the plain weight (the
-reorder otherwise happens inside every call), with bit-identical results. `prepack_linears`
-swaps every `nn.Linear` of a model (and the tied output projection) for a `PackedLinear` where
-that holds; the model code keeps calling its modules as before.
+A model builds each linear at this rank's size and the loader hands every checkpoint tensor to
+its layer's `load`, which takes only this rank's rows or columns (a safetensors slice reads
+only those from disk). Merged projections (q/k/v, gate/up) name their parts: the loader maps
+the checkpoint's names onto them from that declaration alone. After loading, quantization or
+packing (engine.quantization) replaces each layer by the module that multiplies its weight,
+keeping what the declaration adds around the product (`wrap`: the all-reduce of a
+row-parallel layer, the gather of the vocabulary-parallel head).
+
+- QKVParallelLinear: whole GQA groups per rank (an uneven KV-head count splits as evenly as
+  it can: 3 KV heads go 2 + 1 on two ranks), q, k and v rows for them.
+- MergedColumnParallelLinear: each part's share of the output rows (gate and up).
+- RowParallelLinear: a share of the input columns; partial sums all-reduced; the bias added
+  by rank 0 only.
+- ParallelLMHead: a slice of the vocabulary's rows; the logits slices gathered in order.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.opaque_linear import register_opaque_linear
-from engine.platform.cpu import native_bf16_matmul
+from engine.distributed.tensor_parallel import TPShard, all_gather, all_reduce, tp_shard
 
 
-def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and native_bf16_matmul()
+class CheckpointTensor(Protocol):
+    """A tensor of the checkpoint, read (in part) only when sliced."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: object) -> torch.Tensor: ...
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout (bf16, CPU)."""
+class LinearBase(nn.Linear):
+    """y = x Wᵀ + b at this rank's size. `parts`: the checkpoint's projections stacked into
+    this one (empty: the checkpoint names this module itself)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach()
-        self.handle = register_opaque_linear(self)
+    parts: tuple[str, ...] = ()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 dtype: torch.dtype | None, shard: TPShard) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.shard = shard
+        self.requires_grad_(False)
+
+    def load(self, kind: str, tensor: CheckpointTensor, part: int | None) -> None:
+        """`kind` "weight" or "bias" of the checkpoint (of part `part` of `parts`)."""
+        target = self.weight if kind == "weight" else self.bias
+        assert target is not None
+        rows = self.part_rows(part, target.shape[0])
+        target.data[rows].copy_(self.local(kind, tensor, part))
+
+    def part_rows(self, part: int | None, total: int) -> slice:
+        """This layer's output rows that part `part` fills."""
+        return slice(0, total)
+
+    def local(self, kind: str, tensor: CheckpointTensor, part: int | None) -> torch.Tensor:
+        """This rank's piece of a checkpoint tensor."""
+        return tensor[:]
+
+    def wrap(self, product: nn.Module) -> nn.Module:
+        """What replaces this layer once `product` multiplies its weight."""
+        return product
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, dtype, tp_shard())
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several projections of one input stacked by rows, each split over the ranks."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], parts: tuple[str, ...],
+                 bias: bool = False, dtype: torch.dtype | None = None) -> None:
+        shard = tp_shard()
+        self.spans = [shard.span(size) for size in part_sizes]
+        local = [end - start for start, end in self.spans]
+        super().__init__(in_features, sum(local), bias, dtype, shard)
+        self.parts = parts
+        self.offsets = [sum(local[:i]) for i in range(len(local) + 1)]
+
+    def part_rows(self, part: int | None, total: int) -> slice:
+        assert part is not None
+        return slice(self.offsets[part], self.offsets[part + 1])
+
+    def local(self, kind: str, tensor: CheckpointTensor, part: int | None) -> torch.Tensor:
+        assert part is not None
+        start, end = self.spans[part]
+        return tensor[start:end]
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections; each rank holds whole GQA groups: its KV heads and their
+    query heads (`num_heads`, `num_kv_heads` are this rank's)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, dtype: torch.dtype | None = None,
+                 parts: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")) -> None:
+        shard = tp_shard()
+        if num_kv_heads < shard.size:
+            raise ValueError(f"tensor parallel size {shard.size} exceeds the model's "
+                             f"{num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
+        kv_start, kv_end = shard.span(num_kv_heads)
+        self.num_kv_heads = kv_end - kv_start
+        self.num_heads = self.num_kv_heads * group
+        self.head_dim = head_dim
+        nn.Linear.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim,
+                           bias=bias, dtype=dtype)
+        self.shard = shard
+        self.requires_grad_(False)
+        self.parts = parts
+        q_span = (kv_start * group * head_dim, kv_end * group * head_dim)
+        kv_span = (kv_start * head_dim, kv_end * head_dim)
+        self.spans = [q_span, kv_span, kv_span]
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.offsets = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+
+
+class RowParallelLinear(LinearBase):
+    """A share of the input features; the ranks' partial products summed."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        shard = tp_shard()
+        self.span = shard.span(in_features)
+        super().__init__(self.span[1] - self.span[0], out_features,
+                         bias and shard.rank == 0, dtype, shard)
+        self.bias_in_checkpoint = bias
+
+    def local(self, kind: str, tensor: CheckpointTensor, part: int | None) -> torch.Tensor:
+        return tensor[:, self.span[0]:self.span[1]] if kind == "weight" else tensor[:]
+
+    def load(self, kind: str, tensor: CheckpointTensor, part: int | None) -> None:
+        if kind == "bias" and self.bias is None:  # another rank adds it
+            return
+        super().load(kind, tensor, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.loom.linear(x, self.handle)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
-                                                  "")
+        y = F.linear(x, self.weight, self.bias)
+        return all_reduce(y) if self.shard.size > 1 else y
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+    def wrap(self, product: nn.Module) -> nn.Module:
+        return AllReduced(product) if self.shard.size > 1 else product
 
 
-def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replaces the model's linear layers by packed ones where that pays; returns how many.
+class ParallelLMHead(LinearBase):
+    """The output projection over this rank's slice of the vocabulary (equal slices, the last
+    one short, so the logits gather as equal chunks)."""
 
-    A model whose output projection is tied to its embedding (`lm_head is None`) gets a packed
-    copy of the embedding as its `lm_head`: the embedding itself stays for the lookup."""
-    if not packing_applies(device, dtype):
-        return 0
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-                count += 1
-    if getattr(model, "lm_head", ()) is None:
-        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
-        count += 1
-    return count
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
+                 ) -> None:
+        shard = tp_shard()
+        self.vocab_size = vocab_size
+        self.span = shard.vocab_span(vocab_size)
+        super().__init__(hidden_size, self.span[1] - self.span[0], False, dtype, shard)
+
+    def local(self, kind: str, tensor: CheckpointTensor, part: int | None) -> torch.Tensor:
+        return tensor[self.span[0]:self.span[1]]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return gather_vocab(logits, self.vocab_size, self.shard) if self.shard.size > 1 \
+            else logits
+
+    def wrap(self, product: nn.Module) -> nn.Module:
+        return GatheredVocab(product, self.vocab_size, self.shard) if self.shard.size > 1 \
+            else product
+
+
+class AllReduced(nn.Module):
+    """A row-parallel product: the partial sums of every rank added up."""
+
+    def __init__(self, product: nn.Module) -> None:
+        super().__init__()
+        self.linear = product
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.linear.forward(x).contiguous())
+
+
+class GatheredVocab(nn.Module):
+    """The head's vocabulary slices gathered into whole logits."""
+
+    def __init__(self, product: nn.Module, vocab_size: int, shard: TPShard) -> None:
+        super().__init__()
+        self.linear = product
+        self.vocab_size = vocab_size
+        self.shard = shard
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_vocab(self.linear.forward(hidden), self.vocab_size, self.shard)
+
+
+def gather_vocab(local: torch.Tensor, vocab_size: int, shard: TPShard) -> torch.Tensor:
+    """Every rank's logits slice, in order: [..., vocab_size]."""
+    chunk = -(-vocab_size // shard.size)
+    if local.shape[-1] < chunk:  # the last slice is short: pad to gather
+        local = F.pad(local, (0, chunk - local.shape[-1]))
+    return all_gather(local.contiguous())[..., :vocab_size]

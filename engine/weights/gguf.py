@@ -23,7 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.quantization.linear import Int4Linear, Q8_0Linear, QuantizedLinear
+from engine.layers.linear import LinearBase
+from engine.quantization.base import QuantizedLinear
+from engine.quantization.int4 import Int4Linear
+from engine.quantization.q8_0 import Q8_0Linear
 from engine.weights.gguf_file import GGUFTensor
 
 logger = logging.getLogger("loom.engine")
@@ -32,43 +35,40 @@ GGUF_BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # all exactly groups of 32 with scale, zero
 KEPT_TYPES = INT4_TYPES | {"Q8_0"}
 TIED_EMBEDDING = "token_embd.weight"
-# The fused modules of engine/models/llama.py and the GGUF tensors stacked into each.
-_LAYER_MODULES = {
-    ("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
-    ("self_attn", "o_proj"): ("attn_output",),
-    ("mlp", "gate_up_proj"): ("ffn_gate", "ffn_up"),
-    ("mlp", "down_proj"): ("ffn_down",),
-}
 
 
 def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
                   skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file; those named in
-    `skip` (GGUF names, about to be replaced by their codes) come uninitialized."""
+    """(Hugging Face name, float32 tensor) for every tensor of the file but those named in
+    `skip` (GGUF names, about to be replaced by their codes)."""
     from common.gguf_convert import dequantize_tensor
 
     for tensor in tensors:
         if tensor.name in skip:
-            yield _hf_name(tensor.name), torch.empty(tuple(reversed(tensor.shape)))
             continue
         name, weight = dequantize_tensor(tensor, config)
         yield name, torch.from_numpy(weight if weight.flags.writeable else weight.copy())
 
 
-def kept_groups(tensors: list[GGUFTensor], config: dict[str, Any]
-                ) -> dict[str, list[GGUFTensor]]:
+def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[GGUFTensor]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
-    codes it will hold: every linear whose tensors are all 4-bit (INT4_TYPES) or all Q8_0."""
-    by_name = {tensor.name: tensor for tensor in tensors}
-    candidates = {f"model.layers.{index}.{'.'.join(module)}":
-                  [f"blk.{index}.{part}.weight" for part in parts]
-                  for index in range(config["num_hidden_layers"])
-                  for module, parts in _LAYER_MODULES.items()}
-    candidates["lm_head"] = [TIED_EMBEDDING if config["tie_word_embeddings"] else "output.weight"]
+    codes it will hold: every linear the model declares whose tensors are all 4-bit
+    (INT4_TYPES) or all Q8_0, and the output projection (the embedding's codes, if tied)."""
+    by_name = {_hf_name(tensor.name): tensor for tensor in tensors}
+    candidates = {name: linear_checkpoint_names(name, module)
+                  for name, module in model.named_modules() if isinstance(module, LinearBase)}
+    candidates["lm_head"] = ["model.embed_tokens.weight" if model.lm_head is None
+                             else "lm_head.weight"]
     groups = {module: [by_name[name] for name in names] for module, names in candidates.items()}
     return {module: members for module, members in groups.items()
             if all(member.tensor_type.name in INT4_TYPES for member in members)
             or all(member.tensor_type.name == "Q8_0" for member in members)}
+
+
+def linear_checkpoint_names(name: str, linear: LinearBase) -> list[str]:
+    """The checkpoint's weights a declared linear is made of, in its order."""
+    parent = name.rpartition(".")[0]
+    return [f"{parent}.{part}.weight" for part in linear.parts] or [f"{name}.weight"]
 
 
 def codes_only(groups: dict[str, list[GGUFTensor]]) -> frozenset[str]:
@@ -145,10 +145,12 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
         arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        bias = getattr(getattr(parent, attribute), "bias", None)
+        declared = getattr(parent, attribute)
+        bias = getattr(declared, "bias", None)
         made.append(Q8_0Linear(*arrays, bias, dtype) if is_q8
                     else Int4Linear.from_codes(*arrays, bias, dtype))
-        setattr(parent, attribute, made[-1])
+        setattr(parent, attribute,
+                declared.wrap(made[-1]) if isinstance(declared, LinearBase) else made[-1])
     kept = {member.name for members in groups.values() for member in members}
     _log_kept(tensors, kept, len(made))
     return made

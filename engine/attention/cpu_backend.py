@@ -1,0 +1,56 @@
+"""Paged attention on the CPU with our C++ kernel (engine/kernels/cpu/paged_decode.cpp).
+
+The kernel reads the paged cache in place for every request with one new token ("decodes")
+and for every row of the prefill chunks up to KERNEL_PREFILL_MAX_TOKENS, each row a decode
+over its own causal prefix; the step's KV write is one C++ call. Longer prefill chunks keep
+the torch backend's SDPA paths, in the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import StepPlan
+from engine.attention.torch_backend import TorchBackend
+from engine.kernels.elementwise import rows_of_contiguous_heads
+from engine.kernels.paged_decode import (
+    CPP_MAX_DIM,
+    CPP_MAX_GROUP,
+    load_cpp_decode,
+    run_paged_decode,
+    run_write_kv,
+)
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu-c++"
+    uses_kernel = True
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> bool:
+        """fp32 or bf16 on the CPU, query groups and head size the kernel's registers hold,
+        and a kernel that builds here."""
+        return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= CPP_MAX_GROUP
+                and head_dim <= CPP_MAX_DIM and load_cpp_decode() is not None)
+
+    def write_rows(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, rows: torch.Tensor, max_row: int | None) -> None:
+        """One C++ call for both caches, reading k and v in place (on a fused qkv row they
+        are strided slices that `reshape` would copy)."""
+        if not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+            super().write_rows(k, v, k_cache, v_cache, rows, max_row)
+            return
+        if not rows_of_contiguous_heads(k):
+            k = k.contiguous()
+        if not rows_of_contiguous_heads(v):
+            v = v.contiguous()
+        if max_row is None:
+            max_row = int(rows.max()) if rows.numel() else -1
+        run_write_kv(k, v, k_cache, v_cache, rows, max_row)
+
+    def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           plan: StepPlan, scale: float, out: torch.Tensor) -> None:
+        if plan.kernel_rows is not None:
+            run_paged_decode(q, k_cache, v_cache, plan.kernel_rows, scale, out)

@@ -1,0 +1,222 @@
+"""Paged attention in torch ops, for any device: the fallback where no kernel of ours serves.
+
+Decodes take one gather into a reused buffer with the query heads of each KV head folded into
+one attention call, bucketed by context length (engine.attention.metadata); prefill chunks use
+SDPA's fused causal kernel, with a causal-offset mask when they sit on cached tokens. Decodes
+read padding slots past a request's context and mask them out, so the caches must hold finite
+values everywhere: allocate them with `torch.zeros`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.attention.metadata import (
+    AttentionMetadata,
+    DecodeBucket,
+    HeadPlan,
+    PrefillChunk,
+    StepPlan,
+    Workspace,
+    additive_mask,
+    cache_rows,
+    decode_buckets,
+    expand_for_heads,
+    plan_step,
+)
+from engine.platform.cpu import native_bf16_matmul
+
+DecodeKernel = Literal["matmul", "sdpa"]
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    uses_kernel = False  # the C++ kernel serves the plan's kernel rows (see cpu_backend)
+
+    def __init__(self, block_size: int, num_kv_heads: int,
+                 decode_kernel: DecodeKernel | None = None) -> None:
+        """`decode_kernel`: how a decode bucket is computed; by default explicit matmuls where
+        the CPU has native GEMMs for the dtype (fp32; bf16 with AVX512-BF16/AMX), else SDPA."""
+        super().__init__(block_size, num_kv_heads)
+        self.decode_kernel = decode_kernel
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        metadata.plan = plan_step(metadata, self.block_size, kernel=self.uses_kernel)
+        metadata.head_plans[self.num_kv_heads] = expand_for_heads(
+            metadata.plan, metadata.slot_mapping, self.num_kv_heads, self.uses_kernel)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        rows = cache_rows(slot_mapping, k_cache.shape[2], k_cache.shape[1])
+        self.write_rows(k, v, k_cache, v_cache, rows, None)
+
+    def write_rows(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, rows: torch.Tensor, max_row: int | None) -> None:
+        """One indexed copy per cache, to `rows` of the caches viewed as [-1, head_dim]."""
+        head_dim = k_cache.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
+        v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads = k_cache.shape[1]
+        plan, head_plan = metadata.planned(num_kv_heads)
+        self.write_rows(k, v, k_cache, v_cache, head_plan.write_rows, head_plan.max_write_row)
+        keys = values = None
+        if head_plan.gather_rows.numel():
+            keys, values = gather_context(k_cache, v_cache, head_plan.gather_rows,
+                                          metadata.workspace)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.uses_kernel:
+            self.attend_kernel_rows(q, k_cache, v_cache, plan, scale, out)
+        elif plan.decodes is not None:
+            self.attend_decodes(q, out, plan, head_plan, keys, values, num_kv_heads, scale)
+        cached_starts = iter(head_plan.prefill_starts)
+        for chunk in plan.prefills:
+            if self.uses_kernel and plan.kernel_covers(chunk):
+                continue
+            if chunk.has_cached_prefix:
+                prefill_on_cache(q, out, chunk, keys, values, next(cached_starts), num_kv_heads,
+                                 scale)
+            else:
+                prefill_fresh(q, k, v, out, chunk, scale)
+        return out
+
+    def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           plan: StepPlan, scale: float, out: torch.Tensor) -> None:
+        raise NotImplementedError("the torch backend has no kernel rows")
+
+    def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, plan: StepPlan,
+                       head_plan: HeadPlan, keys: torch.Tensor | None,
+                       values: torch.Tensor | None, num_kv_heads: int, scale: float) -> None:
+        assert plan.decodes is not None and keys is not None and values is not None
+        buckets = decode_buckets(plan.decodes, plan.block_size)
+        in_place = len(buckets) == 1 and buckets[0].row_range == (0, buckets[0].size)
+        use_matmul = self.decode_uses_matmul(q)
+        for bucket, start in zip(buckets, head_plan.decode_starts, strict=True):
+            decode_bucket(q, out, bucket, keys, values, start, num_kv_heads, scale, in_place,
+                          use_matmul)
+
+    def decode_uses_matmul(self, query: torch.Tensor) -> bool:
+        if self.decode_kernel is not None:
+            return self.decode_kernel == "matmul"
+        if query.device.type != "cpu":
+            return False
+        return query.dtype == torch.float32 or (query.dtype == torch.bfloat16
+                                                and native_bf16_matmul())
+
+
+def gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, workspace: Workspace,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One index_select per cache into reused buffers: [R, block_size, head_dim] each."""
+    row_shape = k_cache.shape[2:]
+    numel = rows.numel() * row_shape.numel()
+    keys = workspace.get("k", numel, k_cache.dtype, k_cache.device).view(-1, *row_shape)
+    values = workspace.get("v", numel, v_cache.dtype, v_cache.device).view(-1, *row_shape)
+    if numel:
+        torch.index_select(k_cache.view(-1, *row_shape), 0, rows, out=keys)
+        torch.index_select(v_cache.view(-1, *row_shape), 0, rows, out=values)
+    return keys, values
+
+
+def segment(
+    buffer: torch.Tensor, start: int, count: int, num_kv_heads: int, num_blocks: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`count * num_kv_heads * num_blocks` gathered rows from `start` as [count, H, L, D]."""
+    block_size, head_dim = buffer.shape[1], buffer.shape[2]
+    rows = buffer[start:start + count * num_kv_heads * num_blocks]
+    return rows.view(count, num_kv_heads, num_blocks * block_size, head_dim).to(dtype)
+
+
+def decode_bucket(
+    q: torch.Tensor, out: torch.Tensor, bucket: DecodeBucket, keys: torch.Tensor,
+    values: torch.Tensor, start: int, num_kv_heads: int, scale: float, in_place: bool,
+    use_matmul: bool,
+) -> None:
+    """The query heads sharing a KV head are folded into the query axis: [n, H_kv, group, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    n = bucket.size
+    key_seg = segment(keys, start, n, num_kv_heads, bucket.num_blocks, q.dtype)
+    value_seg = segment(values, start, n, num_kv_heads, bucket.num_blocks, q.dtype)
+    if bucket.row_range is not None:
+        query = q[bucket.row_range[0]:bucket.row_range[1]]
+    else:
+        query = q.index_select(0, bucket.rows)
+    query = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    target = out[:n].view(query.shape) if in_place else None
+    attend = attend_matmul if use_matmul else attend_sdpa
+    attended = attend(query, key_seg, value_seg, bucket, scale, target)
+    if in_place:
+        return
+    attended = attended.view(n, num_heads, head_dim)
+    if bucket.row_range is not None:
+        out[bucket.row_range[0]:bucket.row_range[1]] = attended
+    else:
+        out.index_copy_(0, bucket.rows, attended)
+
+
+def attend_matmul(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket,
+    scale: float, out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Explicit matmul -> fp32 masked softmax -> matmul."""
+    bias = additive_mask(bucket.visible, torch.float32, bucket.biases)
+    scores = torch.matmul(query * scale, keys.transpose(2, 3)).float().add_(bias)
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    if out is None:
+        return torch.matmul(probs, values)
+    return torch.matmul(probs, values, out=out)
+
+
+def attend_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket,
+    scale: float, out: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA's fused CPU kernel converts bf16 tiles itself: the choice without native bf16."""
+    bias = additive_mask(bucket.visible, query.dtype, bucket.biases)
+    attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
+    return attended if out is None else out.copy_(attended)
+
+
+def prefill_fresh(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk,
+    scale: float,
+) -> None:
+    """No cached prefix: plain causal attention over the chunk's own K/V."""
+    rows = slice(chunk.start, chunk.end)
+    attended = F.scaled_dot_product_attention(
+        heads_first(q[rows]), heads_first(k[rows]).to(q.dtype), heads_first(v[rows]).to(q.dtype),
+        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    out[rows] = attended[0].transpose(0, 1)
+
+
+def prefill_on_cache(
+    q: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk, keys: torch.Tensor | None,
+    values: torch.Tensor | None, start: int, num_kv_heads: int, scale: float,
+) -> None:
+    """New tokens on cached ones: attend the gathered context under a causal-offset mask."""
+    assert chunk.block_ids is not None and chunk.mask is not None
+    assert keys is not None and values is not None
+    rows, num_blocks = slice(chunk.start, chunk.end), chunk.block_ids.numel()
+    key_seg = segment(keys, start, 1, num_kv_heads, num_blocks, q.dtype)
+    value_seg = segment(values, start, 1, num_kv_heads, num_blocks, q.dtype)
+    attended = F.scaled_dot_product_attention(
+        heads_first(q[rows]), key_seg[:, :, :chunk.seq_len], value_seg[:, :, :chunk.seq_len],
+        attn_mask=additive_mask(chunk.mask, q.dtype, chunk.biases), scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads,
+    )
+    out[rows] = attended[0].transpose(0, 1)
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[L, H, D] -> [1, H, L, D]: SDPA's fused CPU kernel only takes 4-D inputs."""
+    return x.transpose(0, 1).unsqueeze(0)

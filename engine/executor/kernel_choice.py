@@ -1,0 +1,66 @@
+"""Which implementation each op of the model runs, chosen once at start-up from device,
+dtype, CPU flags and whether the forward is compiled, bound into the model's layers and
+logged in one line.
+
+- attention: one backend for the whole run (engine.attention.selector), which also builds
+  every step's metadata before the forward;
+- elementwise ops (norms, rotary, SiLU·mul): our C++ kernels eager on a CPU where they build,
+  torch ops elsewhere and under torch.compile (which fuses them itself);
+- linears: packed or quantized ones as loaded (engine.quantization); compiled, each such
+  layer and each attention layer runs as one opaque op, so the graph stays whole around them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.attention.selector import select_attention_backend
+from engine.kernels.elementwise import load_elementwise
+from engine.layers.attention import PagedAttention
+from engine.layers.custom_op import Implementation, use_implementation
+from engine.layers.opaque_linear import trace_as_op
+from engine.quantization.base import QuantizedLinear
+from engine.quantization.unquantized import PackedLinear
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    attention: AttentionBackend
+    elementwise: Implementation
+    compiled: bool
+
+    @classmethod
+    def choose(cls, model: nn.Module, device: torch.device, dtype: torch.dtype,
+               block_size: int, compiled: bool) -> KernelChoice:
+        backend = select_attention_backend(device, dtype, model.num_local_heads,
+                                           model.num_local_kv_heads, model.config.head_dim,
+                                           block_size)
+        cpp = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+               and not compiled and os.environ.get("LOOM_CPP_ELEMENTWISE", "1") != "0"
+               and load_elementwise() is not None)
+        return cls(backend, "cpu" if cpp else "native", compiled)
+
+    def bind(self, model: nn.Module) -> None:
+        """Every layer of the model runs its chosen implementation from now on."""
+        use_implementation(model, self.elementwise)
+        if not self.compiled:
+            return
+        dense_copies = {id(module.dense) for module in model.modules()
+                        if isinstance(module, QuantizedLinear)}
+        for module in model.modules():
+            if isinstance(module, (PackedLinear, QuantizedLinear)) \
+                    and id(module) not in dense_copies:
+                trace_as_op(module)
+            elif isinstance(module, PagedAttention):
+                module.trace_as_op()
+
+    def describe(self) -> str:
+        elementwise = "C++" if self.elementwise == "cpu" else "torch ops"
+        mode = "compiled (inductor)" if self.compiled else "eager"
+        return (f"kernels: attention {self.attention.name}, elementwise {elementwise}, "
+                f"forward {mode}")

@@ -1,0 +1,31 @@
+"""The model's one boundary to the paged KV cache: each attention layer hands its q, k, v to
+the step's backend and metadata, which the model runner sets in the forward context."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.forward_context import current_context
+from engine.attention.op import paged_attention_op
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [T, heads, D], k and v [T, kv_heads, D] -> [T, heads, D]."""
+        context = current_context()
+        return context.backend.forward(q, k, v, kv_cache[0], kv_cache[1], context.metadata,
+                                       self.scale)
+
+    def forward_as_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The same through `loom::paged_attention`, which torch.compile keeps opaque."""
+        return paged_attention_op(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+
+    def trace_as_op(self) -> None:
+        self.forward = self.forward_as_op

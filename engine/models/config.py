@@ -1,0 +1,81 @@
+"""A decoder's shape as the engine reads it from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.layers.rotary import RopeConfig
+
+QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    sliding_window: int | None = None  # the attention window transformers applies, if any
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        heads = config["num_attention_heads"]
+        model_type = config.get("model_type", "llama")
+        attention_bias = bool(config.get("attention_bias", False))
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config['hidden_act']!r}")
+        return cls(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope=RopeConfig.from_hf(config),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or model_type in QKV_BIAS_MODEL_TYPES,
+            o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
+            model_type=model_type,
+            sliding_window=_sliding_window(config),
+        )
+
+    @property
+    def max_exact_len(self) -> int:
+        """The longest sequence this implementation computes as transformers does."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """Mistral applies `sliding_window` whenever it is set; Qwen2 only with use_sliding_window."""
+    window = config.get("sliding_window")
+    if not window or (config.get("model_type") == "qwen2" and not config.get("use_sliding_window")):
+        return None
+    return int(window)
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(item) for item in value)

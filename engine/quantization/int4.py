@@ -1,0 +1,86 @@
+"""int4 weight-only: groups of `group_size` input channels with a scale and a zero each
+(W ≈ (q - 8)·s + z, q in 0..15): the layout of a GGUF Q4_1 block, so a GGUF file's Q4_0, Q4_1
+and Q4_K codes load into it as they are (`from_codes`)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.quantization.base import DEFAULT_GROUP_SIZE, QuantizedLinear
+
+INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at q = 8
+
+
+class Int4Linear(QuantizedLinear):
+    method = "int4"
+    max_kernel_rows = 4
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        """Quantizes a float weight: each group's minimum and maximum span codes 0..15."""
+        super().__init__(weight.shape, bias)
+        if self.in_features % group_size:
+            raise ValueError(f"int4: {self.in_features} input channels are not a multiple of "
+                             f"the group size {group_size}")
+        groups = weight.detach().float().reshape(self.out_features, -1, group_size)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        zero = low + INT4_ZERO_POINT * scale
+        self._hold(q.reshape(self.out_features, -1), scale, zero, weight.dtype)
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        """A layer holding given codes as they are (a GGUF Q4_0 / Q4_1 tensor's):
+        W = (q - 8)·scale + zero, q [N, K] in 0..15, scale and zero [N, groups]."""
+        layer = cls.__new__(cls)
+        QuantizedLinear.__init__(layer, q.shape, bias)
+        layer._hold(q, scale, zero, dtype)
+        return layer
+
+    def _hold(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              dtype: torch.dtype) -> None:
+        """On CPU only the kernel's packed form of q is kept; elsewhere q itself. Until
+        `finish_loading`, q is at hand too: dense copies are made from it directly."""
+        self.group_size = self.in_features // scale.shape[1]
+        self._loading_codes: torch.Tensor | None = q.to(torch.uint8)
+        # [K / group, N, 2], the layout the CPU kernel reads, in the activations' dtype.
+        scales_and_zeros = torch.stack([scale.T, zero.T], dim=-1).contiguous().to(dtype)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        on_cpu = q.device.type == "cpu"
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32), 1) if on_cpu else None)
+        self.register_buffer("q", None if on_cpu else q.to(torch.uint8))
+        # The kernel's arguments as a plain attribute (no nn.Module __getattr__ per call).
+        self._kernel_args = ((self.packed, self.group_size, self.scales_and_zeros) if on_cpu
+                             else None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(q - 8)·s + z in float32, with s and z as stored (rounded to the model's dtype)."""
+        scales_and_zeros = self.scales_and_zeros.float()
+        scale = scales_and_zeros[..., 0].T.repeat_interleave(self.group_size, 1)
+        zero = scales_and_zeros[..., 1].T.repeat_interleave(self.group_size, 1)
+        return (self.codes().float() - INT4_ZERO_POINT) * scale + zero
+
+    def codes(self) -> torch.Tensor:
+        """q [N, K]. On CPU the kernel's own unpacking recovers it: the identity times the
+        packed weight with every scale 1 and zero 8 gives q itself, exactly (bf16 holds
+        0..15; the kernel's fp32 path is ~50x slower)."""
+        if self.packed is None:
+            return self.q
+        if self._loading_codes is not None:
+            return self._loading_codes
+        unit = torch.ones_like(self.scales_and_zeros, dtype=torch.bfloat16)
+        unit[..., 1] = INT4_ZERO_POINT
+        identity = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            identity, self.packed, self.group_size, unit).T.to(torch.uint8)
+
+    def finish_loading(self) -> None:
+        self._loading_codes = None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel_args is not None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)
+        return x @ self.dequantized_weight().to(x.dtype).T

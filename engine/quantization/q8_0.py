@@ -1,0 +1,44 @@
+"""GGUF Q8_0 codes held as the file has them."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.q8_0_matmul import MAX_ROWS as Q8_MAX_ROWS
+from engine.kernels.q8_0_matmul import Q8_BLOCK, run_q8_0_matmul
+from engine.kernels.q8_0_matmul import kernel_applies as q8_kernel_applies
+from engine.quantization.base import QuantizedLinear
+
+
+class Q8_0Linear(QuantizedLinear):
+    """A GGUF Q8_0 weight held as the file has it: int8 codes q [N, K] and one scale per block
+    of 32 input channels, W = q·d. Up to `max_kernel_rows` tokens run the C++ kernel on the
+    codes (engine.kernels.q8_0_matmul: half bf16's bytes, fp32 math); larger steps run the packed
+    copy, or multiply the dequantized weight where no kernel builds."""
+
+    method = "q8_0"
+    max_kernel_rows = Q8_MAX_ROWS
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(codes.shape, bias)
+        if self.in_features != scales.shape[1] * Q8_BLOCK or scales.shape[0] != codes.shape[0]:
+            raise ValueError(f"Q8_0: {tuple(scales.shape)} scales for codes "
+                             f"{tuple(codes.shape)} (blocks of {Q8_BLOCK})")
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("block_scales", scales.float().contiguous())
+        self._dtype = dtype
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """q·d in float32, exactly as the file defines the weight."""
+        blocks = self.codes.float().view(self.out_features, -1, Q8_BLOCK)
+        return (blocks * self.block_scales[..., None]).view(self.out_features, -1)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if q8_kernel_applies(x):
+            return run_q8_0_matmul(x, self.codes, self.block_scales)
+        return (x.float() @ self.dequantized_weight().to(x.device).T).to(x.dtype)
