@@ -125,12 +125,14 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """A share of the input features; the ranks' partial products summed."""
+    """A share of the input features, in whole units of `unit` features (an attention output
+    splits by query groups, as its QKVParallelLinear does); the partial products summed."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, unit: int = 1) -> None:
         shard = tp_shard()
-        self.span = shard.span(in_features)
+        start, end = shard.span(in_features // unit)
+        self.span = (start * unit, end * unit)
         super().__init__(self.span[1] - self.span[0], out_features,
                          bias and shard.rank == 0, dtype, shard)
         self.bias_in_checkpoint = bias

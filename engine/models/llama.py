@@ -44,8 +44,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        group = config.num_attention_heads // config.num_key_value_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim,
-                                        config.hidden_size, bias=config.o_bias, dtype=dtype)
+                                        config.hidden_size, bias=config.o_bias, dtype=dtype,
+                                        unit=group * config.head_dim)
         self.rotary = Rotary()
         self.attn = PagedAttention(self.head_dim**-0.5)
 
