@@ -9,8 +9,7 @@ from pathlib import Path
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1024**3
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
-# W1 on a 2-core AVX512-BF16 CPU (docs/benchmarks.md): 1024 gave TTFT p50 18-21% lower than
-# 2048 and 4096 at concurrency 32 and 64, with the same throughput and ITL p50.
+# Measured on W1 against 2048 and 4096 (docs/benchmarks.md): lower TTFT, same throughput.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 

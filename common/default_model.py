@@ -107,8 +107,8 @@ def ensure_default_model(cache_dir: str | None = None, progress: Progress = prin
 
 def _point_at_gguf(target: Path, cache: Path, progress: Progress) -> None:
     """The converted directory names the GGUF it came from (common.gguf_model), so a bf16
-    engine serves the file's own 4-bit linears (bench.quality: perplexity within 0.2% of the
-    float weights). A cache converted before the GGUF was kept fetches it once."""
+    engine serves the file's own 4-bit linears (bench.quality; docs/benchmarks.md). A cache
+    converted before the GGUF was kept fetches it once."""
     pointer = target / GGUF_SOURCE_FILE
     if pointer.is_file():
         return

@@ -48,8 +48,8 @@ def load_library(name: str, fallback: str,
 
 
 def kernel_supports(*tensors: torch.Tensor) -> bool:
-    """Contiguous CPU tensors of one dtype, fp32 or bf16: what the kernels take. (A loop: a
-    generator and `device.type` made this check 2 µs, ~0.3 ms of a batch-1 decode step.)"""
+    """Contiguous CPU tensors of one dtype, fp32 or bf16: what the kernels take. (A plain
+    loop: a generator and `device.type` made this check a visible part of a decode step.)"""
     dtype = tensors[0].dtype
     if dtype is not torch.float32 and dtype is not torch.bfloat16:
         return False

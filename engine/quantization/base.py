@@ -77,7 +77,7 @@ class QuantizedLinear(nn.Module):
         if x.dim() != 2:  # the engine's activations are [tokens, features] already
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
         # `_dense_call` is `dense` held as a plain attribute: nn.Module's __getattr__ costs
-        # ~1 µs a lookup, and a decode step makes hundreds of these calls.
+        # on every lookup, and a decode step makes hundreds of these calls.
         if x.shape[0] > self.kernel_rows and self._dense_call is not None:
             return self._dense_call(x)
         y = self.product(x)

@@ -66,7 +66,7 @@ class Int4Linear(QuantizedLinear):
     def codes(self) -> torch.Tensor:
         """q [N, K]. On CPU the kernel's own unpacking recovers it: the identity times the
         packed weight with every scale 1 and zero 8 gives q itself, exactly (bf16 holds
-        0..15; the kernel's fp32 path is ~50x slower)."""
+        0..15; the kernel's fp32 path is far slower)."""
         if self.packed is None:
             return self.q
         if self._loading_codes is not None:

@@ -8,9 +8,9 @@ bitmask per constrained row of a step: the tokens every one of its grammars allo
   from the model directory, loaded once on the worker (by `preload` right after READY, or
   by the first build).
 - While a build runs on a CPU engine, steps use one torch thread fewer, leaving the worker
-  a core: with every core busy in a step, a 1.7 s build made 32-decode steps 3.3x slower
-  (p99 9x: OpenMP waits on whichever thread the build preempts); with the core left to it
-  they ran 1.7x slower, p99 1.6x, and the build finished sooner (bench.structured).
+  a core: with every core busy in a step, OpenMP waits on whichever thread the build
+  preempts, and steps slow down far more than with the core left to it (bench.structured;
+  figures in docs/benchmarks.md).
 - A request waiting for its grammar holds no seat and no KV block (EngineCore keeps it
   outside the scheduler) and fails with a clear error when its grammar errs or its build
   runs longer than the time limit (counted from the build's start: neither the queue behind
