@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.triton_kernels import QueryRows
+from engine.block_manager import blocks_for
 from engine.platform.host_copy import int_tensor
 
 # Decode buckets (torch path): requests sorted by context length and padded per bucket.
@@ -196,10 +197,6 @@ class AttentionMetadata:
 
 
 # ---------------------------------------------------------------- planning, once per step
-
-
-def blocks_for(seq_len: int, block_size: int) -> int:
-    return -(-seq_len // block_size)
 
 
 def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool) -> StepPlan:

@@ -31,9 +31,10 @@ from typing import Protocol
 import torch
 
 from engine.attention.forward_context import forward_context
-from engine.attention.metadata import AttentionMetadata, blocks_for
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.triton_backend import TritonBackend
 from engine.attention.triton_kernels import QueryRows
+from engine.block_manager import blocks_for
 
 logger = logging.getLogger(__name__)
 

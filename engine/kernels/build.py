@@ -47,18 +47,6 @@ def load_library(name: str, fallback: str,
     return library
 
 
-def kernel_supports(*tensors: torch.Tensor) -> bool:
-    """Contiguous CPU tensors of one dtype, fp32 or bf16: what the kernels take. (A plain
-    loop: a generator and `device.type` made this check a visible part of a decode step.)"""
-    dtype = tensors[0].dtype
-    if dtype is not torch.float32 and dtype is not torch.bfloat16:
-        return False
-    for t in tensors:  # noqa: SIM110
-        if not (t.is_cpu and t.dtype is dtype and t.is_contiguous()):
-            return False
-    return True
-
-
 def compiled_library(name: str) -> Path:
     """The built library's path; raises OSError (or a subprocess error) when it cannot build."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")

@@ -21,18 +21,6 @@ if TYPE_CHECKING:
 CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
 
 
-def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return (
-        q.is_cpu
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and q.dtype == k_cache.dtype == v_cache.dtype
-        and k_cache.is_contiguous() and v_cache.is_contiguous()
-        and q.shape[1] % k_cache.shape[1] == 0
-        and q.shape[1] // k_cache.shape[1] <= CPP_MAX_GROUP
-        and q.shape[2] <= CPP_MAX_DIM
-    )
-
-
 def run_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
     scale: float, out: torch.Tensor,

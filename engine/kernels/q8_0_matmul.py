@@ -13,13 +13,16 @@ import functools
 
 import torch
 
-from engine.kernels.build import I64, INT, PTR, kernel_supports, load_library
+from engine.kernels.build import I64, INT, PTR, load_library
 
 Q8_BLOCK = 32
 MAX_ROWS = 4  # rows of x per call: the kernel keeps one accumulator per row in registers
 
-def kernel_applies(x: torch.Tensor) -> bool:
-    return kernel_supports(x) and 1 <= x.shape[0] <= MAX_ROWS and load_q8_kernel() is not None
+
+def kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """fp32 or bf16 activations on the CPU, and a kernel that builds here."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and load_q8_kernel() is not None)
 
 
 def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -27,6 +30,7 @@ def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     codes int8 [n, k], scales float32 [n, k / 32], both contiguous CPU tensors."""
     kernel = load_q8_kernel()
     assert kernel is not None
+    x = x.contiguous()
     n, k = codes.shape
     if x.shape[1] != k or scales.shape != (n, k // Q8_BLOCK):
         raise ValueError(f"Q8_0: x {tuple(x.shape)} against codes {tuple(codes.shape)}")

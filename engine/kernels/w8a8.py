@@ -14,11 +14,13 @@ import functools
 
 import torch
 
-from engine.kernels.build import I64, INT, PTR, kernel_supports, load_library
+from engine.kernels.build import I64, INT, PTR, load_library
 
 
-def kernels_apply(x: torch.Tensor) -> bool:
-    return x.dim() == 2 and kernel_supports(x) and load_w8a8_kernels() is not None
+def kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:
+    """fp32 or bf16 activations on the CPU, and kernels that build here."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and load_w8a8_kernels() is not None)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.q8_0_matmul import MAX_ROWS as Q8_MAX_ROWS
-from engine.kernels.q8_0_matmul import Q8_BLOCK, run_q8_0_matmul
-from engine.kernels.q8_0_matmul import kernel_applies as q8_kernel_applies
+from engine.kernels.q8_0_matmul import Q8_BLOCK, kernel_serves, run_q8_0_matmul
 from engine.quantization.base import QuantizedLinear
 
 
@@ -28,6 +27,7 @@ class Q8_0Linear(QuantizedLinear):
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("block_scales", scales.float().contiguous())
         self._dtype = dtype
+        self.uses_kernel = kernel_serves(codes.device, dtype)
 
     @property
     def dense_dtype(self) -> torch.dtype:
@@ -39,6 +39,6 @@ class Q8_0Linear(QuantizedLinear):
         return (blocks * self.block_scales[..., None]).view(self.out_features, -1)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if q8_kernel_applies(x):
+        if self.uses_kernel and x.shape[0] <= Q8_MAX_ROWS:
             return run_q8_0_matmul(x, self.codes, self.block_scales)
         return (x.float() @ self.dequantized_weight().to(x.device).T).to(x.dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.w8a8 import kernels_apply as w8a8_kernels_apply
+from engine.kernels.w8a8 import kernels_serve as w8a8_kernels_serve
 from engine.kernels.w8a8 import quantize_rows as w8a8_quantize_rows
 from engine.kernels.w8a8 import rescale as w8a8_rescale
 from engine.quantization.base import QuantizedLinear, per_channel_int8
@@ -22,6 +22,7 @@ class W8A8Linear(QuantizedLinear):
         qweight, scale = per_channel_int8(weight)
         self.register_buffer("qweight_t", qweight.T)  # [K, N] view, as _int_mm takes it
         self.register_buffer("scale", scale)
+        self.uses_kernels = w8a8_kernels_serve(weight.device, weight.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight_t.T.float() * self.scale[:, None]
@@ -40,8 +41,8 @@ class W8A8Linear(QuantizedLinear):
         return (a.float() * scale).reshape(x.shape)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if w8a8_kernels_apply(x):  # the same numbers as below, one C++ pass each side
-            a, row_scale = w8a8_quantize_rows(x)
+        if self.uses_kernels:  # the same numbers as below, one C++ pass each side
+            a, row_scale = w8a8_quantize_rows(x.contiguous())
             return w8a8_rescale(torch._int_mm(a, self.qweight_t), row_scale, self.scale, x.dtype)
         a, row_scale = self.quantize_input(x)
         if x.device.type == "cpu":
