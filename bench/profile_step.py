@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
@@ -71,32 +72,27 @@ def _package_path(path: str) -> str:
 
 # The functions of ours whose ops and own Python time belong to a class: the C++ kernels run
 # inside Python frames (called through ctypes), so those frames carry the kernels' time.
+SCOPE_FUNCTIONS: dict[str, tuple[Callable, ...]] = {
+    "norms": (RMSNorm.forward_native, RMSNorm.forward_cpu, elementwise.run_add_rms_norm),
+    "rope": (Rotary.forward_native, Rotary.forward_cpu, RotaryTables.forward,
+             elementwise.run_rotary),
+    "activation": (SiluAndMul.forward_native, SiluAndMul.forward_cpu,
+                   elementwise.run_silu_and_mul),
+    "KV write": (TorchBackend.write_rows, CpuBackend.write_rows, paged_decode.run_write_kv),
+}
+# Whole modules; activation quantization and scaling belong to the product.
+SCOPE_MODULES: dict[str, tuple[ModuleType, ...]] = {
+    "attention": (torch_backend, cpu_backend, paged_decode),
+    "GEMM": (quantization_base, int4, int8, q8_0, w8a8, q8_0_matmul, w8a8_kernels),
+    "sampler": (sampler, logits_processors),
+}
 SCOPES: list[tuple[str, str, range]] = [
-    (op_class, *_line_range(function)) for op_class, function in (
-        ("norms", RMSNorm.forward_native),
-        ("norms", RMSNorm.forward_cpu),
-        ("norms", elementwise.run_add_rms_norm),
-        ("rope", Rotary.forward_native),
-        ("rope", Rotary.forward_cpu),
-        ("rope", RotaryTables.forward),
-        ("rope", elementwise.run_rotary),
-        ("activation", SiluAndMul.forward_native),
-        ("activation", SiluAndMul.forward_cpu),
-        ("activation", elementwise.run_silu_and_mul),
-        ("KV write", TorchBackend.write_rows),
-        ("KV write", CpuBackend.write_rows),
-        ("KV write", paged_decode.run_write_kv),
-    )
-] + [(op_class, _package_path(module.__file__ or ""), range(1, 10**6)) for op_class, module in (
-    ("attention", torch_backend),
-    ("attention", cpu_backend),
-    ("attention", paged_decode),
-    # activation quantization and scaling belong to the product
-    *(("GEMM", module) for module in (quantization_base, int4, int8, q8_0, w8a8, q8_0_matmul,
-                                      w8a8_kernels)),
-    ("sampler", sampler),
-    ("sampler", logits_processors),
-)]
+    (op_class, *_line_range(function))
+    for op_class, functions in SCOPE_FUNCTIONS.items() for function in functions
+] + [
+    (op_class, _package_path(module.__file__ or ""), range(1, 10**6))
+    for op_class, modules in SCOPE_MODULES.items() for module in modules
+]
 
 
 def is_python_frame(name: str) -> bool:

@@ -4,7 +4,7 @@ does not fit the model is refused by name."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -94,31 +94,32 @@ def test_each_rank_holds_and_reads_only_its_share(kv_heads: int, tmp_path: Path,
     assert read_by_ranks == sum(t.numel() for t in full.values()) + replicated
 
 
+def load_edited(model_dir: str, edit: Callable[[Iterator[tuple[str, object]]], Iterator],
+                monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """load_model over the checkpoint's tensors as `edit` changes their stream."""
+    reader = safetensors.read_safetensors
+    monkeypatch.setattr(loader, "read_safetensors",
+                        lambda directory, device: edit(reader(directory, device)))
+    return load_model(model_dir, torch.float32, CPU)
+
+
 def test_a_checkpoint_tensor_of_no_parameter_is_refused_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model_dir = build_tiny_llama_dir(tmp_path)
-    reader = safetensors.read_safetensors
-
-    def with_extra(directory: Path, device: torch.device) -> Iterator:
-        yield from reader(directory, device)
+    def with_extra(tensors: Iterator) -> Iterator:
+        yield from tensors
         yield "model.layers.0.mlp.experts.0.weight", torch.zeros(4, 4)
 
-    monkeypatch.setattr(loader, "read_safetensors", with_extra)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.0\.weight'"):
-        load_model(model_dir, torch.float32, CPU)
+        load_edited(build_tiny_llama_dir(tmp_path), with_extra, monkeypatch)
 
 
 def test_a_missing_part_of_a_merged_projection_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model_dir = build_tiny_llama_dir(tmp_path)
-    reader = safetensors.read_safetensors
-
-    def without_v(directory: Path, device: torch.device) -> Iterator:
-        return ((name, tensor) for name, tensor in reader(directory, device)
+    def without_v(tensors: Iterator) -> Iterator:
+        return ((name, tensor) for name, tensor in tensors
                 if name != "model.layers.1.self_attn.v_proj.weight")
 
-    monkeypatch.setattr(loader, "read_safetensors", without_v)
     with pytest.raises(ValueError, match=r"missing \['model\.layers\.1\.self_attn\.v_proj"):
-        load_model(model_dir, torch.float32, CPU)
+        load_edited(build_tiny_llama_dir(tmp_path), without_v, monkeypatch)
