@@ -23,7 +23,7 @@ DEVICE = torch.device("cuda" if NATIVE else "cpu")
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
 from engine.attention import triton_kernels as triton_attention  # noqa: E402
-from engine.attention.triton_backend import query_rows  # noqa: E402
+from engine.attention.triton_backend import TritonBackend, query_rows  # noqa: E402
 from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
 
 
@@ -49,7 +49,7 @@ TRITON_CASES = [
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda case: case.name)
 def test_triton_kernels_match_the_reference(case: Case) -> None:
     inputs = make_inputs(case, torch.float32)
-    metadata = build(inputs, case.block_size)
+    metadata = build(inputs, TritonBackend(case.block_size, case.num_kv_heads))
     scale = case.head_dim**-0.5
     want, want_k_cache, want_v_cache = expected(inputs, metadata, scale)
 
@@ -66,7 +66,7 @@ def test_triton_kernels_match_the_reference(case: Case) -> None:
 def test_the_kv_write_reads_k_and_v_as_slices_of_a_fused_row() -> None:
     case = Case("fused", ((1, 9), (3, 3)))
     inputs = make_inputs(case, torch.float32)
-    metadata = build(inputs, case.block_size)
+    metadata = build(inputs, TritonBackend(case.block_size, case.num_kv_heads))
     qkv = torch.cat([inputs.q, inputs.k, inputs.v], dim=1).to(DEVICE)  # [T, 9 + 3 + 3, D]
     k, v = qkv[:, case.num_heads:case.num_heads + 3], qkv[:, case.num_heads + 3:]
     _, want_k_cache, want_v_cache = expected(inputs, metadata, 0.125)
@@ -78,7 +78,7 @@ def test_the_kv_write_reads_k_and_v_as_slices_of_a_fused_row() -> None:
 def test_paged_attention_refuses_heads_that_do_not_group() -> None:
     case = Case("odd", ((1, 4),), num_heads=5, num_kv_heads=2)
     inputs = make_inputs(case, torch.float32)
-    metadata = build(inputs, case.block_size)
+    metadata = build(inputs, TritonBackend(case.block_size, case.num_kv_heads))
     rows = query_rows(metadata, torch.device("cpu"))
     with pytest.raises(ValueError, match="5 query heads for 2 KV heads"):
         triton_attention.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache,
