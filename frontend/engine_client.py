@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import math
 import time
@@ -55,6 +56,15 @@ SHUTDOWN_LINGER_MS = 200
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 
+class LinkState(enum.Enum):
+    """Where the link to one engine stands; only SERVING takes requests."""
+
+    CONNECTING = "connecting"  # a remote engine that has not sent READY yet
+    SERVING = "serving"
+    DISCONNECTED = "disconnected"  # a reconnect (local) or a READY (remote) revives it
+    EXITED = "exited"  # a local process is gone: only a restarted one revives it
+
+
 class EngineClient:
     """`rank`: the engine's data-parallel rank (its label in the metrics). `restartable`:
     launch.py restarts this engine when it dies (several engines), so a process that exited
@@ -75,7 +85,6 @@ class EngineClient:
         self.restartable = restartable or self.remote
         self.restarts = 0  # processes that came back after this rank's engine exited
         self.ready: Ready | None = expected  # what the engine serves, once known
-        self._joined = False  # a remote engine has sent READY before
         # What the other engines serve (set by EnginePool): a remote engine must match it.
         self.peers_model: Callable[[], Ready | None] = lambda: None
         self._refusal_logged_at = -math.inf
@@ -104,9 +113,9 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
         self._tasks: list[asyncio.Task] = []
         self.num_bad_frames = 0
-        self.engine_dead = self.remote  # a remote engine serves from its READY on
-        self.engine_exited = False  # the process is gone: no reconnect will revive it
-        self._shutting_down: str | None = None  # set by fail_all: no new requests either
+        # A remote engine serves from its READY on.
+        self.link = LinkState.CONNECTING if self.remote else LinkState.SERVING
+        self._shutdown_reason: str | None = None  # set by fail_all: no new requests either
         self.last_stats = StepStats()
         self.last_step = -1
 
@@ -132,6 +141,10 @@ class EngineClient:
         self._context.term()
 
     @property
+    def engine_dead(self) -> bool:
+        return self.link is not LinkState.SERVING
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._queues)
 
@@ -147,8 +160,8 @@ class EngineClient:
         """
         if self.engine_dead:
             raise EngineDeadError("the engine is not running")
-        if self._shutting_down is not None:
-            raise ShuttingDownError(self._shutting_down)
+        if self._shutdown_reason is not None:
+            raise ShuttingDownError(self._shutdown_reason)
         if request.request_id in self._queues:
             raise ValueError(f"duplicate request id {request.request_id}")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
@@ -188,18 +201,24 @@ class EngineClient:
     def fail_all(self, reason: str) -> None:
         """End every open request with ShuttingDownError, and refuse new ones; the engine
         gets their ABORTs."""
-        self._shutting_down = reason
+        self._shutdown_reason = reason
         for queue in self._queues.values():
             queue.put_nowait(StreamFailure(ShuttingDownError(reason), engine_gone=False))
 
     async def engine_exited_with(self, reason: str) -> None:
         """The engine process is gone (its sentinel fired): fail whatever is in flight."""
-        if self.engine_exited:
+        if self.link is LinkState.EXITED:
             return
         logger.error("engine %d process exited: %s", self.rank, reason)
-        self.engine_exited = self.engine_dead = True
+        self._process_gone()
         self.metrics.engine_gone(self.rank)
         await self._fail_in_flight_after_grace(reason)
+
+    def _process_gone(self) -> None:
+        if not self.remote:
+            self.link = LinkState.EXITED
+        elif self.link is LinkState.SERVING:  # its successor announces itself with READY
+            self.link = LinkState.DISCONNECTED
 
     async def _read_outputs(self) -> None:
         while True:
@@ -255,13 +274,12 @@ class EngineClient:
                          self.rank, ready.model_name, ready.block_size, ready.vocab_size,
                          expected.model_name)
             return
-        if self.engine_dead:
-            if self._joined:
+        if self.link is not LinkState.SERVING:
+            if self.link is LinkState.DISCONNECTED:  # it had joined before
                 self._count_restart()
             logger.info("engine %d joined: %s", self.rank, ready.model_name)
-        self._joined = True
         self.ready = ready
-        self.engine_dead = False
+        self.link = LinkState.SERVING
 
     def _count_restart(self) -> None:
         self.restarts += 1
@@ -279,26 +297,30 @@ class EngineClient:
                                  event["endpoint"].decode(errors="replace"))
                 continue
             if self.remote:
-                if event["event"] == zmq.EVENT_DISCONNECTED and not self.engine_dead:
-                    logger.error("lost the connection to engine %d", self.rank)
-                    self.engine_dead = True
-                    self.metrics.engine_gone(self.rank)
-                    await self._fail_in_flight_after_grace(
-                        f"the connection to engine {self.rank} was lost")
+                if (event["event"] == zmq.EVENT_DISCONNECTED
+                        and self.link is LinkState.SERVING):
+                    await self._lose_connection(f"the connection to engine {self.rank} was lost")
                 continue
             if event["event"] == zmq.EVENT_CONNECTED:
-                if self.engine_dead and self.engine_exited and self.restartable:
-                    logger.info("engine %d is back (restarted)", self.rank)
-                    self._count_restart()
-                    self.engine_exited = self.engine_dead = False
-                elif self.engine_dead and not self.engine_exited:
-                    logger.info("engine %d reconnected", self.rank)
-                    self.engine_dead = False
-            elif event["event"] == zmq.EVENT_DISCONNECTED and not self.engine_exited:
-                logger.error("lost the connection to engine %d", self.rank)
-                self.engine_dead = True
-                self.metrics.engine_gone(self.rank)
-                await self._fail_in_flight_after_grace("the connection to the engine was lost")
+                self._local_connected()
+            elif (event["event"] == zmq.EVENT_DISCONNECTED
+                  and self.link is not LinkState.EXITED):
+                await self._lose_connection("the connection to the engine was lost")
+
+    def _local_connected(self) -> None:
+        if self.link is LinkState.EXITED and self.restartable:
+            logger.info("engine %d is back (restarted)", self.rank)
+            self._count_restart()
+            self.link = LinkState.SERVING
+        elif self.link is LinkState.DISCONNECTED:
+            logger.info("engine %d reconnected", self.rank)
+            self.link = LinkState.SERVING
+
+    async def _lose_connection(self, reason: str) -> None:
+        logger.error("lost the connection to engine %d", self.rank)
+        self.link = LinkState.DISCONNECTED
+        self.metrics.engine_gone(self.rank)
+        await self._fail_in_flight_after_grace(reason)
 
     async def _fail_in_flight_after_grace(self, reason: str) -> None:
         # The reader drains what is queued within the grace. Peeking at the socket's EVENTS
@@ -309,8 +331,6 @@ class EngineClient:
         failure = StreamFailure(EngineDeadError(f"The engine stopped: {reason}."), engine_gone=True)
         for queue in self._queues.values():
             queue.put_nowait(failure)
-
-
 
 
 def same_model(first: Ready, second: Ready) -> bool:
