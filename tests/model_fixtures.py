@@ -51,6 +51,7 @@ def build_tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: A
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     config_class, model_class = config_classes[model_type]
     torch.manual_seed(seed)

@@ -8,6 +8,7 @@ from typing import Any
 from engine.layers.rotary import RopeConfig
 
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
+OPTIONAL_WINDOW_MODEL_TYPES = frozenset({"qwen2", "qwen3"})
 
 
 @dataclass(slots=True)
@@ -66,9 +67,11 @@ class ModelConfig:
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:
-    """Mistral applies `sliding_window` whenever it is set; Qwen2 only with use_sliding_window."""
+    """Mistral applies `sliding_window` whenever it is set; Qwen2 and Qwen3 only with
+    use_sliding_window."""
     window = config.get("sliding_window")
-    if not window or (config.get("model_type") == "qwen2" and not config.get("use_sliding_window")):
+    if not window or (config.get("model_type") in OPTIONAL_WINDOW_MODEL_TYPES
+                      and not config.get("use_sliding_window")):
         return None
     return int(window)
 

@@ -80,10 +80,12 @@ class DecoderLayer(nn.Module):
     """Submodules are called through `.forward`: nn.Module.__call__ (hooks, which the engine
     never sets) costs a little on every call, and a decode step makes hundreds of them."""
 
+    attention_class: type[Attention] = Attention
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = self.attention_class(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
@@ -101,11 +103,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+            self.layer_class(config, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_tables = RotaryTables(config.rope, config.head_dim,
                                           config.max_position_embeddings, dtype)
@@ -117,10 +121,12 @@ class LlamaForCausalLM(nn.Module):
 
     Build under `torch.device("meta")` and fill through engine.weights.loader."""
 
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.model = self.model_class(config, dtype)
         self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(
             config.vocab_size, config.hidden_size, dtype)
 

@@ -7,13 +7,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from common.gguf_convert import hf_tensor_name
 from common.gguf_model import gguf_source
 from engine.distributed.tensor_parallel import tp_shard
 from engine.layers.linear import CheckpointTensor
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import model_class
 from engine.quantization.base import DEFAULT_GROUP_SIZE
 from engine.quantization.registry import attach_dense_copies, quantize_linears
 from engine.quantization.unquantized import prepack_linears
@@ -22,12 +23,10 @@ from engine.weights.gguf_file import read_tensors
 from engine.weights.safetensors import read_safetensors
 from engine.weights.targets import load_weights
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
-
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                quantization: str = "auto",
-               group_size: int = DEFAULT_GROUP_SIZE) -> LlamaForCausalLM:
+               group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
     """The model on `device` at this tensor-parallel rank's size (its layers read only their
     share of each tensor), its linears quantized if asked (engine.quantization), else
     prepacked where that pays. A directory standing for a GGUF file (common.gguf_model) reads
@@ -40,7 +39,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     config = ModelConfig.from_hf(hf_config)
     config.eos_token_ids = _merge_generation_eos(directory, config.eos_token_ids)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype)
+        model = model_class(config.model_type)(config, dtype=dtype)
     source = gguf_source(directory)
     keep_codes = (source is not None and quantization == "auto" and dtype != torch.float32
                   and tp_shard().size == 1)
@@ -77,10 +76,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def read_hf_config(directory: Path) -> dict:
     hf_config = json.loads((directory / "config.json").read_text())
-    model_type = hf_config.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r} in {directory}; "
-                         f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    model_class(hf_config.get("model_type", "llama"))  # refuses an unknown architecture
     return hf_config
 
 

@@ -1,0 +1,23 @@
+"""The architectures Loom serves, by the `model_type` of a Hugging Face config.json."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def model_class(model_type: str) -> type[nn.Module]:
+    """The class serving `model_type`; one clear error naming it and the supported ones."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"architecture {model_type!r} is not supported; Loom serves "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[model_type]
