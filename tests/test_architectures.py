@@ -24,6 +24,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
     "qwen3": ("qwen3", {"head_dim": 16}),
+    # Experts of 32 columns, 2 of 4 per token; the second layer dense (mlp_only_layers).
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                "mlp_only_layers": [1]}),
+    "qwen3_moe-unnormalized": ("qwen3_moe", {"head_dim": 16, "num_experts": 4,
+                                             "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 32}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                            "intermediate_size": 32}),
 }
 
 
@@ -31,14 +40,16 @@ def test_every_served_architecture_has_a_case() -> None:
     assert {model_type for model_type, _ in CASES.values()} == set(ARCHITECTURES)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_mixed_chunked_preempted_cached_batch_equals_transformers(case: str,
+@pytest.mark.parametrize(("case", "compiled"), [
+    *((case, False) for case in CASES), ("qwen3_moe", True), ("mixtral", True)])
+def test_mixed_chunked_preempted_cached_batch_equals_transformers(case: str, compiled: bool,
                                                                    tmp_path: Path) -> None:
     model_type, overrides = CASES[case]
     hf_model = build_tiny_hf_model(model_type, **overrides)
     hf_model.save_pretrained(tmp_path / case)
     # 12 blocks of 16 tokens, 32 tokens a step: long prompts are chunked, preemption certain.
-    core = make_core(str(tmp_path / case), num_kv_blocks=12, max_num_batched_tokens=32)
+    core = make_core(str(tmp_path / case), num_kv_blocks=12, max_num_batched_tokens=32,
+                     compile=compiled)
     shared = prompt_of(36, 99)  # two whole blocks that later prompts find in the cache
     first = greedy_request(shared + prompt_of(5, 1), max_tokens=4)
     run_to_completion(core, [first])

@@ -7,7 +7,8 @@ logged in one line.
 - elementwise ops (norms, rotary, SiLU·mul): our C++ kernels eager on a CPU where they build,
   torch ops elsewhere and under torch.compile (which fuses them itself);
 - linears: packed or quantized ones as loaded (engine.quantization); compiled, each such
-  layer and each attention layer runs as one opaque op, so the graph stays whole around them.
+  layer, each routed-experts block (its grouping is data-dependent) and each attention layer
+  runs as one opaque op, so the graph stays whole around them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.attention.selector import select_attention_backend
 from engine.kernels.elementwise import load_elementwise
 from engine.layers.attention import PagedAttention
 from engine.layers.custom_op import Implementation, use_implementation
+from engine.layers.moe import FusedMoE
 from engine.layers.opaque_linear import trace_as_op
 from engine.quantization.base import QuantizedLinear
 from engine.quantization.unquantized import PackedLinear
@@ -53,7 +55,7 @@ class KernelChoice:
         dense_copies = {id(module.dense) for module in model.modules()
                         if isinstance(module, QuantizedLinear)}
         for module in model.modules():
-            if isinstance(module, (PackedLinear, QuantizedLinear)) \
+            if isinstance(module, (PackedLinear, QuantizedLinear, FusedMoE)) \
                     and id(module) not in dense_copies:
                 trace_as_op(module)
             elif isinstance(module, PagedAttention):

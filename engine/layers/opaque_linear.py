@@ -1,4 +1,5 @@
-"""`loom::linear`: a packed or quantized linear layer as one opaque op for torch.compile.
+"""`loom::linear`: a packed or quantized linear layer (or a routed-experts block, [T, hidden]
+in and out) as one opaque op for torch.compile.
 
 A oneDNN-packed weight or a quantized one (engine.quantization) is nothing torch can trace,
 so a compiled model's such layers call themselves through this op (`trace_as_op`, bound once

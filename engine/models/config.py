@@ -8,7 +8,38 @@ from typing import Any
 from engine.layers.rotary import RopeConfig
 
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
-OPTIONAL_WINDOW_MODEL_TYPES = frozenset({"qwen2", "qwen3"})
+OPTIONAL_WINDOW_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe"})
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    """Routed experts: each token's `top_k` of `num_experts`, each expert an MLP of
+    `intermediate_size`; the layers listed dense (or off the sparse step) keep one MLP."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # the top-k weights rescaled to sum to 1
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> MoEConfig | None:
+        model_type = config.get("model_type")
+        if model_type == "mixtral":
+            return cls(config["num_local_experts"], config["num_experts_per_tok"],
+                       config["intermediate_size"], renormalize=True)
+        if model_type == "qwen3_moe":  # transformers 5 writes num_experts under Mixtral's name
+            experts = config.get("num_experts") or config["num_local_experts"]
+            return cls(experts, config["num_experts_per_tok"],
+                       config["moe_intermediate_size"],
+                       renormalize=bool(config.get("norm_topk_prob", False)),
+                       sparse_step=int(config.get("decoder_sparse_step") or 1),
+                       dense_layers=tuple(config.get("mlp_only_layers") or ()))
+        return None
 
 
 @dataclass(slots=True)
@@ -30,6 +61,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
     sliding_window: int | None = None  # the attention window transformers applies, if any
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
@@ -56,6 +88,7 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
             model_type=model_type,
             sliding_window=_sliding_window(config),
+            moe=MoEConfig.from_hf(config),
         )
 
     @property
@@ -67,7 +100,7 @@ class ModelConfig:
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:
-    """Mistral applies `sliding_window` whenever it is set; Qwen2 and Qwen3 only with
+    """Mistral and Mixtral apply `sliding_window` whenever it is set; the Qwens only with
     use_sliding_window."""
     window = config.get("sliding_window")
     if not window or (config.get("model_type") in OPTIONAL_WINDOW_MODEL_TYPES

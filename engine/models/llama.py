@@ -81,13 +81,20 @@ class DecoderLayer(nn.Module):
     never sets) costs a little on every call, and a decode step makes hundreds of them."""
 
     attention_class: type[Attention] = Attention
+    mlp_name = "mlp"  # the feed-forward block's name in the checkpoint
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = self.attention_class(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        feed_forward = self.make_feed_forward(config, dtype, index)
+        setattr(self, self.mlp_name, feed_forward)
+        object.__setattr__(self, "feed_forward", feed_forward)  # plain: no __getattr__ a call
+
+    def make_feed_forward(self, config: ModelConfig, dtype: torch.dtype | None,
+                          index: int) -> nn.Module:
+        return MLP(config, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +106,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.forward(x, residual)
         x = self.self_attn.forward(x, rope, kv_cache)
         x, residual = self.post_attention_layernorm.forward(x, residual)
-        return self.mlp.forward(x), residual
+        return self.feed_forward.forward(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -109,7 +116,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            self.layer_class(config, dtype) for _ in range(config.num_hidden_layers))
+            self.layer_class(config, dtype, index) for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_tables = RotaryTables(config.rope, config.head_dim,
                                           config.max_position_embeddings, dtype)

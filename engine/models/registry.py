@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -12,6 +13,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import CheckpointTensor, LinearBase, ParallelLMHead
 
 TIED_HEAD = "lm_head.weight"
@@ -26,11 +25,12 @@ class Target:
 
     module: nn.Module
     kind: str
-    part: int | None = None
+    part: object = None  # which part of a merged parameter, as the layer numbers them
 
     def load(self, tensor: CheckpointTensor) -> None:
-        if isinstance(self.module, (LinearBase, VocabParallelEmbedding)):
-            self.module.load(self.kind, tensor, self.part)
+        load = getattr(self.module, "load", None)  # a layer that takes its own share
+        if load is not None:
+            load(self.kind, tensor, self.part)
         else:
             getattr(self.module, self.kind).data.copy_(tensor[:])
 
@@ -41,6 +41,11 @@ def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         parent = name.rpartition(".")[0]
+        names = getattr(module, "checkpoint_names", None)
+        if names is not None:  # a layer that names its checkpoint tensors itself (experts)
+            targets.update((checkpoint_name, Target(module, kind, part))
+                           for checkpoint_name, (kind, part) in names(prefix).items())
+            continue
         parts = getattr(module, "parts", ())
         for kind, param in module.named_parameters(recurse=False):
             if param is None:

@@ -1,0 +1,99 @@
+"""Routed mixture-of-experts (Mixtral, Qwen3-MoE): a router picks each token's top-k experts
+and the experts' outputs are summed with the router's weights.
+
+The work is grouped by expert, not looped over tokens: the (token, expert) pairs are sorted
+by expert, and each expert that has tokens runs one gate/up GEMM and one down GEMM over all
+of them. Under tensor parallelism every rank holds a share of each expert's intermediate
+columns (as the dense MLP splits) and the partial outputs are summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.tensor_parallel import all_reduce, tp_shard
+from engine.layers.activation import SiluAndMul
+from engine.layers.linear import CheckpointTensor
+
+
+class Router(nn.Module):
+    """Router logits [T, E]; kept in float, never quantized (as vLLM keeps it)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """`expert_parts`: the checkpoint's names of an expert's gate, up and down projections
+    (`experts.{e}.<name>.weight`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, expert_parts: tuple[str, str, str],
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.shard = tp_shard()
+        self.span = self.shard.span(intermediate_size)
+        local = self.span[1] - self.span[0]
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.expert_parts = expert_parts
+        self.out_features = hidden_size  # what `loom::linear` returns when compiled
+        self.gate = Router(hidden_size, num_experts, dtype)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, local, dtype=dtype),
+                               requires_grad=False)
+        self.act = SiluAndMul()
+
+    def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, tuple[int, int]]]:
+        """Checkpoint name -> (parameter, (expert, part)) for every expert's projections."""
+        gate, up, down = self.expert_parts
+        names = {}
+        for expert in range(self.num_experts):
+            base = f"{prefix}experts.{expert}."
+            names[f"{base}{gate}.weight"] = ("w13", (expert, 0))
+            names[f"{base}{up}.weight"] = ("w13", (expert, 1))
+            names[f"{base}{down}.weight"] = ("w2", (expert, 0))
+        return names
+
+    def load(self, kind: str, tensor: CheckpointTensor, part: tuple[int, int]) -> None:
+        expert, half = part
+        start, end = self.span
+        if kind == "w13":
+            local = end - start
+            self.w13.data[expert, half * local:(half + 1) * local].copy_(tensor[start:end])
+        else:
+            self.w2.data[expert].copy_(tensor[:, start:end])
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, experts [T, k]), as transformers routes."""
+        probs = torch.softmax(self.gate.forward(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        grouped = x.index_select(0, tokens)
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                hidden = self.act.forward(F.linear(grouped[rows], self.w13[expert]))
+                out[rows] = F.linear(hidden, self.w2[expert])
+                start += count
+        out *= weights.flatten().index_select(0, order)[:, None]
+        summed = torch.zeros_like(x).index_add_(0, tokens, out)
+        return all_reduce(summed) if self.shard.size > 1 else summed
