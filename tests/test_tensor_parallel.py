@@ -91,13 +91,17 @@ def assert_tp2_equals_tp1(model_dir: str, prompts: list[list[int]]) -> None:
     assert split == single
 
 
-@pytest.mark.parametrize("shape", [
-    {},  # 4 heads over 2 KV heads: one KV head each
-    {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96,
-     "vocab_size": 255},  # KV heads 2 + 1, vocabulary slices 128 + 127
-], ids=["even", "uneven"])
-def test_tp2_logits_equal_tp1_on_the_tiny_model(shape: dict, tmp_path: Path) -> None:
-    model_dir = build_tiny_llama_dir(tmp_path, **shape)
+@pytest.mark.parametrize(("model_type", "shape"), [
+    ("llama", {}),  # 4 heads over 2 KV heads: one KV head each
+    ("llama", {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96,
+               "vocab_size": 255}),  # KV heads 2 + 1, vocabulary slices 128 + 127
+    ("qwen3", {"head_dim": 16}),  # q/k norms over each rank's heads
+    ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "norm_topk_prob": True}),  # experts split
+], ids=["even", "uneven", "qwen3", "qwen3_moe"])
+def test_tp2_logits_equal_tp1_on_the_tiny_model(model_type: str, shape: dict,
+                                                tmp_path: Path) -> None:
+    model_dir = build_tiny_llama_dir(tmp_path, model_type, **shape)
     prompts = [[(11 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17])]
     assert_tp2_equals_tp1(model_dir, prompts)
 
