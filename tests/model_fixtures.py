@@ -54,6 +54,7 @@ def build_tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: A
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     config_class, model_class = config_classes[model_type]
     torch.manual_seed(seed)

@@ -33,6 +33,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                              "moe_intermediate_size": 32}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
                             "intermediate_size": 32}),
+    # LongRoPE; every request stays inside the original context of 100 tokens (past it,
+    # transformers recomputes the whole context with the long factors; see test_model_parity).
+    "phi3": ("phi3", {"original_max_position_embeddings": 100, "rope_scaling": {
+        "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
 }
 
 

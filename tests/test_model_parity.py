@@ -170,6 +170,18 @@ def test_dynamic_ntk_matches_transformers_per_position() -> None:
         torch.testing.assert_close(ours.model.rotary_tables.cos[position], expected)
 
 
+def test_longrope_tables_match_transformers_within_and_beyond_the_original_context() -> None:
+    """Position p's cos equals transformers' when it rotates a sequence of p + 1 tokens."""
+    hf_model = build_tiny_hf_model("phi3", original_max_position_embeddings=80, rope_scaling={
+        "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.0 + 0.5 * i for i in range(8)]})
+    config = ModelConfig.from_hf(hf_model.config.to_dict())
+    ours = LlamaForCausalLM(config).model.rotary_tables
+    for position in (0, 40, 79, 80, 200):
+        cos, _ = hf_model.model.rotary_emb(torch.zeros(1, 1, 64), torch.tensor([[position]]))
+        torch.testing.assert_close(ours.cos[position], cos[0, 0])
+
+
 def test_model_config_variants() -> None:
     qwen = ModelConfig.from_hf({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 8,
                                 "num_hidden_layers": 1, "num_attention_heads": 4,

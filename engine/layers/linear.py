@@ -79,12 +79,23 @@ class MergedColumnParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, part_sizes: list[int], parts: tuple[str, ...],
                  bias: bool = False, dtype: torch.dtype | None = None) -> None:
+        """`parts` empty: the checkpoint holds the stacked tensor itself (Phi-3)."""
         shard = tp_shard()
+        self.part_sizes = part_sizes
         self.spans = [shard.span(size) for size in part_sizes]
         local = [end - start for start, end in self.spans]
         super().__init__(in_features, sum(local), bias, dtype, shard)
         self.parts = parts
         self.offsets = [sum(local[:i]) for i in range(len(local) + 1)]
+
+    def load(self, kind: str, tensor: CheckpointTensor, part: int | None) -> None:
+        if part is not None:
+            super().load(kind, tensor, part)
+            return
+        start_in_checkpoint = 0
+        for index, size in enumerate(self.part_sizes):  # each part's share of the stack
+            super().load(kind, _Rows(tensor, start_in_checkpoint), index)
+            start_in_checkpoint += size
 
     def part_rows(self, part: int | None, total: int) -> slice:
         assert part is not None
@@ -102,7 +113,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, dtype: torch.dtype | None = None,
-                 parts: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")) -> None:
+                 parts: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")) -> None:
         shard = tp_shard()
         if num_kv_heads < shard.size:
             raise ValueError(f"tensor parallel size {shard.size} exceeds the model's "
@@ -122,6 +133,17 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.spans = [q_span, kv_span, kv_span]
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.offsets = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
+        self.part_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+
+class _Rows:
+    """A stacked checkpoint tensor seen from row `start` on: one part of it, sliced lazily."""
+
+    def __init__(self, tensor: CheckpointTensor, start: int) -> None:
+        self.tensor, self.start = tensor, start
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        return self.tensor[self.start + index.start:self.start + index.stop]
 
 
 class RowParallelLinear(LinearBase):

@@ -15,7 +15,7 @@ from torch import nn
 from engine.kernels.elementwise import load_elementwise, rows_of_contiguous_heads, run_rotary
 from engine.layers.custom_op import CustomOp
 
-SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
+SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope"})
 
 
 @dataclass(slots=True)
@@ -32,6 +32,8 @@ class RopeConfig:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the
+    long_factor: tuple[float, ...] = ()  # original context, and beyond it
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> RopeConfig:
@@ -50,10 +52,15 @@ class RopeConfig:
         optional = {key: params[key] for key in (
             "low_freq_factor", "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim",
             "truncate") if params.get(key) is not None}
+        factor = params.get("factor")
+        if rope_type == "longrope" and factor is None and original_max:
+            factor = config.get("max_position_embeddings", 2048) / original_max  # Phi-3's way
         return cls(
             rope_type=rope_type,
             theta=float(params.get("rope_theta", config.get("rope_theta", 10000.0))),
-            factor=float(params.get("factor") or 1.0),
+            factor=float(factor or 1.0),
+            short_factor=tuple(params.get("short_factor") or ()),
+            long_factor=tuple(params.get("long_factor") or ()),
             original_max_position_embeddings=int(original_max) if original_max else None,
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
@@ -72,7 +79,17 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
         return _llama3_inv_freq(inv_freq, rope, max_position_embeddings), 1.0
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(rope, head_dim, max_position_embeddings)
+    if rope.rope_type == "longrope":  # the short factors: positions within the original context
+        return inv_freq / torch.tensor(rope.short_factor), _longrope_scale(rope)
     return inv_freq, 1.0
+
+
+def _longrope_scale(rope: RopeConfig) -> float:
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.factor <= 1.0 or not rope.original_max_position_embeddings:
+        return 1.0
+    return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig,
@@ -139,10 +156,27 @@ def rope_cos_sin(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
         if rope.rope_type == "dynamic":
             inv_freq = _dynamic_ntk_inv_freq(rope, head_dim, max_position_embeddings, positions)
             angles, scale = positions[:, None] * inv_freq, 1.0
+        elif rope.rope_type == "longrope":
+            angles, scale = _longrope_angles(rope, head_dim, positions), _longrope_scale(rope)
         else:
             inv_freq, scale = rope_inv_freq(rope, head_dim, max_position_embeddings)
             angles = torch.outer(positions, inv_freq)
         return angles.cos() * scale, angles.sin() * scale
+
+
+def _longrope_angles(rope: RopeConfig, head_dim: int, positions: torch.Tensor) -> torch.Tensor:
+    """Position p rotates by the long factors once p + 1 exceeds the original context.
+    transformers instead rotates a whole sequence by one set: the long factors once it is
+    longer than the original context, recomputing the cache when a generation crosses it.
+    Per position, a token's rotation never depends on its batch or chunk, and a sequence
+    inside the original context (the short factors) is computed exactly as transformers does;
+    one that crosses it differs from transformers from there on (a README limit)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    base = rope.theta**exponents
+    short = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * base)
+    long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32) * base)
+    beyond = (positions + 1 > (rope.original_max_position_embeddings or 0))[:, None]
+    return positions[:, None] * torch.where(beyond, long, short)
 
 
 def _dynamic_ntk_inv_freq(rope: RopeConfig, dim: int, trained: int,

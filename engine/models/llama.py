@@ -35,11 +35,14 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin of each token's p
 
 
 class Attention(nn.Module):
+    qkv_parts: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # as the checkpoint names them
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim,
                                           config.num_attention_heads, config.num_key_value_heads,
-                                          bias=config.qkv_bias, dtype=dtype)
+                                          bias=config.qkv_bias, dtype=dtype,
+                                          parts=self.qkv_parts)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -63,10 +66,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    gate_up_parts: tuple[str, ...] = ("gate_proj", "up_proj")  # as the checkpoint names them
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, ("gate_proj", "up_proj"),
+            config.hidden_size, [config.intermediate_size] * 2, self.gate_up_parts,
             bias=config.mlp_bias, dtype=dtype)
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
