@@ -55,6 +55,7 @@ def build_tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: A
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_class, model_class = config_classes[model_type]
     torch.manual_seed(seed)

@@ -38,6 +38,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("phi3", {"original_max_position_embeddings": 100, "rope_scaling": {
         "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
         "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
+    # Two sliding layers (their own rotary base) around a global one with linear scaling;
+    # every request fits in the 128-token window.
+    "gemma3_text": ("gemma3_text", {
+        "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 128, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1000.0},
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": 10000.0}}}),
 }
 
 

@@ -9,13 +9,21 @@ from torch import nn
 
 from engine.kernels.elementwise import load_elementwise, run_add_rms_norm
 from engine.layers.custom_op import CustomOp
+from engine.layers.linear import CheckpointTensor
 
 
 class RMSNorm(CustomOp):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None,
+                 weight_offset: float = 0.0) -> None:
+        """`weight_offset`: the checkpoint's weight is the scale minus this (Gemma's norms
+        scale by 1 + w); the layer holds the scale itself."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.weight_offset = weight_offset
+
+    def load(self, kind: str, tensor: CheckpointTensor, part: object) -> None:
+        self.weight.data.copy_(tensor[:].float() + self.weight_offset)
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

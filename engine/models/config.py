@@ -9,6 +9,7 @@ from engine.layers.rotary import RopeConfig
 
 QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 OPTIONAL_WINDOW_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe"})
+SUPPORTED_ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})
 
 
 @dataclass(slots=True)
@@ -62,14 +63,21 @@ class ModelConfig:
     model_type: str = "llama"
     sliding_window: int | None = None  # the attention window transformers applies, if any
     moe: MoEConfig | None = None
+    activation: str = "silu"  # of the gated MLP: silu or gelu_pytorch_tanh
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention or sliding_attention
+    rope_local: RopeConfig | None = None  # the sliding layers' own rotary, where they have one
+    attention_scale: float | None = None  # instead of head_dim ** -0.5
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         heads = config["num_attention_heads"]
         model_type = config.get("model_type", "llama")
         attention_bias = bool(config.get("attention_bias", False))
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {config['hidden_act']!r}")
+        activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}")
+        query_scalar = config.get("query_pre_attn_scalar")
         return cls(
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -80,7 +88,7 @@ class ModelConfig:
             vocab_size=config["vocab_size"],
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope=RopeConfig.from_hf(config),
+            rope=layer_rope(config, "full_attention"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or model_type in QKV_BIAS_MODEL_TYPES,
             o_bias=attention_bias,
@@ -89,6 +97,12 @@ class ModelConfig:
             model_type=model_type,
             sliding_window=_sliding_window(config),
             moe=MoEConfig.from_hf(config),
+            activation=activation,
+            layer_types=tuple(config.get("layer_types") or ()),
+            rope_local=layer_rope(config, "sliding_attention") if config.get("layer_types")
+            else None,
+            attention_scale=float(query_scalar) ** -0.5 if query_scalar else None,
+            final_logit_softcapping=config.get("final_logit_softcapping"),
         )
 
     @property
@@ -97,6 +111,19 @@ class ModelConfig:
         if self.sliding_window is None:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
+
+
+def layer_rope(config: dict[str, Any], layer_type: str) -> RopeConfig:
+    """The rotary of one kind of layer: transformers 5 keys `rope_parameters` by layer type
+    where they differ (Gemma 3); earlier Gemma 3 configs give the sliding layers'
+    base as `rope_local_base_freq`."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        return RopeConfig.from_hf({**config, "rope_scaling": None,
+                                   "rope_parameters": params[layer_type]})
+    if layer_type == "sliding_attention" and config.get("rope_local_base_freq"):
+        return RopeConfig(theta=float(config["rope_local_base_freq"]))
+    return RopeConfig.from_hf(config)
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import gated_activation
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import (
@@ -52,7 +52,7 @@ class Attention(nn.Module):
                                         config.hidden_size, bias=config.o_bias, dtype=dtype,
                                         unit=group * config.head_dim)
         self.rotary = Rotary()
-        self.attn = PagedAttention(self.head_dim**-0.5)
+        self.attn = PagedAttention(config.attention_scale or self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache) -> torch.Tensor:
         tokens = x.shape[0]
@@ -73,7 +73,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, self.gate_up_parts,
             bias=config.mlp_bias, dtype=dtype)
-        self.act = SiluAndMul()
+        self.act = gated_activation(config.activation)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias, dtype=dtype)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -17,6 +18,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

@@ -1,0 +1,83 @@
+"""Gemma 3 (text): Qwen3-like attention (q/k norms) with a pre- and a post-norm around both
+the attention and the MLP, norms that scale by (1 + w), a GELU-tanh gated MLP, embeddings
+scaled by sqrt(hidden), queries scaled by `query_pre_attn_scalar`, and sliding-window layers
+with their own rotary base interleaved with global ones.
+
+The sliding windows are not applied: full attention equals them while a sequence fits in
+the window, so the engine serves at most that many tokens (`ModelConfig.max_exact_len`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryTables
+from engine.models.config import ModelConfig
+from engine.models.llama import MLP, KVCache, LlamaForCausalLM, LlamaModel, Rope
+from engine.models.qwen3 import Qwen3Attention
+
+GEMMA_NORM_OFFSET = 1.0
+
+
+def gemma_norm(size: int, config: ModelConfig, dtype: torch.dtype | None) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, dtype, weight_offset=GEMMA_NORM_OFFSET)
+
+
+class Gemma3Attention(Qwen3Attention):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__(config, dtype)
+        self.q_norm = gemma_norm(config.head_dim, config, dtype)
+        self.k_norm = gemma_norm(config.head_dim, config, dtype)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None, index: int) -> None:
+        super().__init__()
+        self.sliding = bool(config.layer_types) and \
+            config.layer_types[index] == "sliding_attention"
+        self.input_layernorm = gemma_norm(config.hidden_size, config, dtype)
+        self.self_attn = Gemma3Attention(config, dtype)
+        self.post_attention_layernorm = gemma_norm(config.hidden_size, config, dtype)
+        self.pre_feedforward_layernorm = gemma_norm(config.hidden_size, config, dtype)
+        self.mlp = MLP(config, dtype)
+        self.post_feedforward_layernorm = gemma_norm(config.hidden_size, config, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Llama's layer: returns this layer's output, not yet added to the stream."""
+        if residual is None:
+            residual, x = x, self.input_layernorm.forward(x)
+        else:
+            x, residual = self.input_layernorm.forward(x, residual)
+        x = self.post_attention_layernorm.forward(self.self_attn.forward(x, rope, kv_cache))
+        x, residual = self.pre_feedforward_layernorm.forward(x, residual)
+        return self.post_feedforward_layernorm.forward(self.mlp.forward(x)), residual
+
+
+class Gemma3Model(LlamaModel):
+    layer_class = Gemma3DecoderLayer  # type: ignore[assignment]
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__(config, dtype)
+        self.norm = gemma_norm(config.hidden_size, config, dtype)
+        rope_local = config.rope_local or config.rope
+        self.rotary_tables_local = RotaryTables(rope_local, config.head_dim,
+                                                config.max_position_embeddings, dtype)
+        self.embed_scale = config.hidden_size**0.5
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    model_class = Gemma3Model  # type: ignore[assignment]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        model = self.model
+        ropes = (model.rotary_tables.forward(positions),
+                 model.rotary_tables_local.forward(positions))
+        x = model.embed_tokens.forward(input_ids)
+        x, residual = x * torch.tensor(model.embed_scale, dtype=x.dtype), None
+        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
+            x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache)
+        return x + residual
