@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine.models.registry import ARCHITECTURES
+from engine.weights.loader import load_model
 from tests.engine_helpers import (
     assert_equals_transformers_generate,
     greedy_request,
@@ -77,3 +79,14 @@ def test_mixed_chunked_preempted_cached_batch_equals_transformers(case: str, com
     assert core.scheduler.num_preemptions >= 1
     assert any(0 < trace.scheduled.get(batch[4].request_id, 0) < 70 for trace in core.traces)
     assert_equals_transformers_generate({**outputs}, batch, hf_model)
+
+
+def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path: Path) -> None:
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "gpt2", "n_embd": 64}')
+    with pytest.raises(ValueError) as refused:
+        load_model(str(model_dir), torch.float32, torch.device("cpu"))
+    message = str(refused.value)
+    assert "'gpt2'" in message and "\n" not in message
+    assert all(name in message for name in ARCHITECTURES)
