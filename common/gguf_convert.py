@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 Progress = Callable[[str], None]
 
-_LAYER_TENSORS = {
+_LLAMA_LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -30,6 +31,34 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFArchitecture:
+    """How llama.cpp writes one architecture: its Hugging Face names, and what its converter
+    changed that reading must undo."""
+
+    model_type: str  # the Hugging Face config's
+    hf_class: str
+    layer_tensors: dict[str, str]
+    rotary_permuted: bool  # q/k rows interleaved for llama.cpp's rope (Llama only)
+    norm_offset: float = 0.0  # llama.cpp stores Gemma's norms as 1 + w
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", _LLAMA_LAYER_TENSORS, True),
+    "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", {
+        **_LLAMA_LAYER_TENSORS,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }, rotary_permuted=False, norm_offset=1.0),
+}
+BY_MODEL_TYPE = {arch.model_type: arch for arch in GGUF_ARCHITECTURES.values()}
+GEMMA3_SLIDING_PATTERN = 6  # every sixth layer global, as transformers' Gemma3 defaults
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -45,10 +74,10 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Progress = print) -> None
 
     reader = gguf.GGUFReader(str(gguf_path))
     metadata = read_metadata(reader)
-    if metadata.get("general.architecture") != "llama":
-        raise ValueError(f"{gguf_path} is not a llama GGUF")
+    gguf_architecture(metadata)
     tensor_names = {tensor.name for tensor in reader.tensors}
-    config = hf_config_from_gguf(metadata, tied="output.weight" not in tensor_names)
+    config = hf_config_from_gguf(metadata, tied="output.weight" not in tensor_names,
+                                 vocab_size=embedding_rows(reader.tensors))
     tensors = _dequantize_all(reader, config, progress)
     progress("writing model.safetensors (float32), config.json, generation_config.json")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -65,8 +94,23 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
 
 
-def hf_config_from_gguf(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
+def gguf_architecture(metadata: dict[str, Any]) -> GGUFArchitecture:
+    name = metadata.get("general.architecture")
+    if name not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {name!r} is not supported; Loom reads "
+                         f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+    return GGUF_ARCHITECTURES[name]
+
+
+def embedding_rows(tensors: list[Any]) -> int:
+    """The vocabulary as the token embedding counts it (a GGUF need not say it elsewhere)."""
+    return next(int(tensor.shape[-1]) for tensor in tensors if tensor.name == "token_embd.weight")
+
+
+def hf_config_from_gguf(metadata: dict[str, Any], tied: bool,
+                        vocab_size: int = 0) -> dict[str, Any]:
     arch = metadata["general.architecture"]
+    architecture = gguf_architecture(metadata)
 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
@@ -74,9 +118,9 @@ def hf_config_from_gguf(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     eos = int(metadata.get("tokenizer.ggml.eos_token_id", 2))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    config = {
+        "architectures": [architecture.hf_class],
+        "model_type": architecture.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
@@ -88,7 +132,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
         "rope_theta": _clean_float(get("rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "max_position_embeddings": int(get("context_length")),
-        "vocab_size": int(get("vocab_size", 0)) or len(metadata.get("tokenizer.ggml.tokens", [])),
+        "vocab_size": int(get("vocab_size", 0)) or vocab_size,
         "tie_word_embeddings": tied,
         "attention_bias": False,
         "mlp_bias": False,
@@ -96,6 +140,32 @@ def hf_config_from_gguf(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
         "eos_token_id": eos,
         "pad_token_id": int(metadata.get("tokenizer.ggml.padding_token_id", eos)),
         "dtype": "float32",
+    }
+    if arch == "gemma3":
+        config.update(_gemma3_config(get, config))
+    return config
+
+
+def _gemma3_config(get: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves to transformers' Gemma3 defaults, spelled out."""
+    head_dim = int(get("attention.key_length", config["head_dim"]))
+    layers = config["num_hidden_layers"]
+    global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if get("rope.scaling.type") == "linear":
+        global_rope = {**global_rope, "rope_type": "linear",
+                       "factor": float(get("rope.scaling.factor"))}
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["full_attention" if (index + 1) % GEMMA3_SLIDING_PATTERN == 0
+                        else "sliding_attention" for index in range(layers)],
+        "rope_parameters": {"full_attention": global_rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}},
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
     }
 
 
@@ -125,19 +195,23 @@ def dequantize_tensor(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndar
     """(Hugging Face name, float32 array in its layout) of one GGUF tensor."""
     from gguf.quants import dequantize
 
-    name = hf_tensor_name(tensor.name)
+    architecture = BY_MODEL_TYPE[config.get("model_type", "llama")]
+    name = hf_tensor_name(tensor.name, architecture.model_type)
     weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     weight = weight.reshape([int(dim) for dim in reversed(tensor.shape)])
+    if architecture.norm_offset and name.endswith("norm.weight"):
+        weight = weight - np.float32(architecture.norm_offset)
     return name, np.ascontiguousarray(unpermute_if_rotary(name, weight, config))
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
+    layer_tensors = BY_MODEL_TYPE[model_type].layer_tensors
     layer = _LAYER_NAME.fullmatch(gguf_name)
     if layer:
         index, kind, suffix = layer.groups()
-        if kind not in _LAYER_TENSORS:
+        if kind not in layer_tensors:
             raise ValueError(f"unsupported GGUF tensor {gguf_name}")
-        return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
+        return f"model.layers.{index}.{layer_tensors[kind]}.{suffix}"
     base, _, suffix = gguf_name.rpartition(".")
     if base not in _GLOBAL_TENSORS:
         raise ValueError(f"unsupported GGUF tensor {gguf_name}")
@@ -145,6 +219,8 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def unpermute_if_rotary(name: str, weight: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    if not BY_MODEL_TYPE[config.get("model_type", "llama")].rotary_permuted:
+        return weight
     if name.endswith("self_attn.q_proj.weight"):
         return unpermute_rotary(weight, config["num_attention_heads"])
     if name.endswith("self_attn.k_proj.weight"):
@@ -164,8 +240,8 @@ def write_tokenizer(gguf_path: Path, out: Path, progress: Progress) -> None:
 
     progress("converting the tokenizer and chat template")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if not tokenizer.chat_template:
-        raise RuntimeError(f"{gguf_path.name} carries no chat template")
+    if not tokenizer.chat_template:  # a base model: completions, chat with --chat-template
+        progress(f"{gguf_path.name} carries no chat template")
     tokenizer.save_pretrained(str(out))
     _check_saved_tokenizer(out, tokenizer)
 
@@ -174,6 +250,11 @@ def _check_saved_tokenizer(out: Path, original: Any) -> None:
     from transformers import AutoTokenizer
 
     saved = AutoTokenizer.from_pretrained(str(out))
+    probe = "What is the capital of France? Ça va — 東京."
+    if saved.encode(probe) != original.encode(probe):
+        raise RuntimeError("the saved tokenizer does not encode as the GGUF's does")
+    if not original.chat_template:
+        return
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     rendered = saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     expected = original.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -36,7 +36,7 @@ def gguf_source(directory: str | Path) -> Path | None:
 def prepare_gguf(model: str, cache_dir: Path, progress: Any = print,
                  with_tokenizer: bool = True) -> str:
     """The prepared directory for a GGUF file; ValueError naming the file for one that cannot
-    be read, holds another architecture than llama, or carries no usable tokenizer."""
+    be read, holds an architecture Loom does not read, or carries no usable tokenizer."""
     path = Path(model).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"{path}: no such GGUF file")
@@ -74,6 +74,7 @@ def read_gguf(path: Path) -> Any:
 
 def _write_prepared(path: Path, out: Path, progress: Any, with_tokenizer: bool) -> None:
     from common.gguf_convert import (
+        embedding_rows,
         generation_config,
         hf_config_from_gguf,
         hf_tensor_name,
@@ -84,14 +85,12 @@ def _write_prepared(path: Path, out: Path, progress: Any, with_tokenizer: bool) 
 
     reader = read_gguf(path)
     metadata = read_metadata(reader)
-    architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise ValueError(f"{path}: architecture {architecture!r} is not supported (llama only)")
     names = {tensor.name for tensor in reader.tensors}
     try:
+        config = hf_config_from_gguf(metadata, tied="output.weight" not in names,
+                                     vocab_size=embedding_rows(reader.tensors))
         for name in names:
-            hf_tensor_name(name)
-        config = hf_config_from_gguf(metadata, tied="output.weight" not in names)
+            hf_tensor_name(name, config["model_type"])
     except (KeyError, ValueError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from exc
     write_json(out / "config.json", config)

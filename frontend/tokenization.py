@@ -34,8 +34,12 @@ class TokenizerService:
 
     async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           tools: ToolRequest | None = None) -> list[int]:
-        conversation, template_tools = render_conversation(
-            messages, tools, getattr(self.tokenizer, "chat_template", None))
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise invalid_param("messages", "this model has no chat template (a base model): "
+                                "use /v1/completions, or start the server with "
+                                "--chat-template FILE")
+        conversation, template_tools = render_conversation(messages, tools, template)
         return await self._run(self._render_and_encode, conversation, add_generation_prompt,
                                template_tools)
 
