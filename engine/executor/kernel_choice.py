@@ -52,11 +52,13 @@ class KernelChoice:
         use_implementation(model, self.elementwise)
         if not self.compiled:
             return
-        dense_copies = {id(module.dense) for module in model.modules()
-                        if isinstance(module, QuantizedLinear)}
+        inside_ops = {id(module.dense) for module in model.modules()
+                      if isinstance(module, QuantizedLinear)}
+        inside_ops |= {id(expert) for module in model.modules() if isinstance(module, FusedMoE)
+                       for expert in module.modules() if expert is not module}
         for module in model.modules():
             if isinstance(module, (PackedLinear, QuantizedLinear, FusedMoE)) \
-                    and id(module) not in dense_copies:
+                    and id(module) not in inside_ops:
                 trace_as_op(module)
             elif isinstance(module, PagedAttention):
                 module.trace_as_op()

@@ -3,11 +3,15 @@ and the experts' outputs are summed with the router's weights.
 
 The work is grouped by expert, not looped over tokens: the (token, expert) pairs are sorted
 by expert, and each expert that has tokens runs one gate/up GEMM and one down GEMM over all
-of them. Under tensor parallelism every rank holds a share of each expert's intermediate
-columns (as the dense MLP splits) and the partial outputs are summed.
+of them; after loading, the experts' weights take the form the linears take (packed for
+oneDNN, or quantized: `replace_products`). Under tensor parallelism every rank holds a share
+of each expert's intermediate columns (as the dense MLP splits) and the partial outputs are
+summed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,27 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, local, dtype=dtype),
                                requires_grad=False)
         self.act = SiluAndMul()
+        self.products: nn.ModuleList | None = None  # per expert: gate/up, then down
+        self._calls: list[tuple[nn.Module, nn.Module]] | None = None
+
+    def replace_products(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
+                         ) -> list[nn.Module]:
+        """Each expert's gate/up and down weights become `make(weight, None)` (packed or
+        quantized, engine.quantization), once; returns the new modules."""
+        if self.products is not None:
+            return []
+        made = [make(weights[expert], None) for expert in range(self.num_experts)
+                for weights in (self.w13, self.w2)]
+        self.products = nn.ModuleList(made)
+        self._calls = list(zip(made[0::2], made[1::2], strict=True))
+        self.w13 = self.w2 = None  # type: ignore[assignment]
+        return made
+
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self._calls is not None:
+            gate_up, down = self._calls[expert]
+            return down.forward(self.act.forward(gate_up.forward(x)))
+        return F.linear(self.act.forward(F.linear(x, self.w13[expert])), self.w2[expert])
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, tuple[int, int]]]:
         """Checkpoint name -> (parameter, (expert, part)) for every expert's projections."""
@@ -91,8 +116,7 @@ class FusedMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                hidden = self.act.forward(F.linear(grouped[rows], self.w13[expert]))
-                out[rows] = F.linear(hidden, self.w2[expert])
+                out[rows] = self.expert_forward(expert, grouped[rows])
                 start += count
         out *= weights.flatten().index_select(0, order)[:, None]
         summed = torch.zeros_like(x).index_add_(0, tokens, out)

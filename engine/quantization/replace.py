@@ -17,11 +17,14 @@ Product = TypeVar("Product", bound=nn.Module)
 def replace_linears(model: nn.Module,
                     make: Callable[[torch.Tensor, torch.Tensor | None], Product],
                     ) -> list[Product]:
-    """Replaces every float `nn.Linear` of the model (declared layers included) by
-    `make(weight, bias)`; a tied output projection (`lm_head is None`) gets one made from the
-    embedding, which stays for the lookup. Returns the new modules."""
+    """Replaces every float `nn.Linear` of the model (declared layers included) and every
+    routed expert's projections by `make(weight, bias)`; a tied output projection
+    (`lm_head is None`) gets one made from the embedding, which stays for the lookup.
+    Returns the new modules."""
     made: list[Product] = []
     for parent in list(model.modules()):
+        if hasattr(parent, "replace_products"):  # routed experts: one product per expert
+            made.extend(parent.replace_products(make))
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 made.append(make(child.weight, child.bias))

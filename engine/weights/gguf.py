@@ -54,7 +54,7 @@ def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[G
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
     codes it will hold: every linear the model declares whose tensors are all 4-bit
     (INT4_TYPES) or all Q8_0, and the output projection (the embedding's codes, if tied)."""
-    by_name = {_hf_name(tensor.name): tensor for tensor in tensors}
+    by_name = {_hf_name(tensor.name, model.config.model_type): tensor for tensor in tensors}
     candidates = {name: linear_checkpoint_names(name, module)
                   for name, module in model.named_modules() if isinstance(module, LinearBase)}
     candidates["lm_head"] = ["model.embed_tokens.weight" if model.lm_head is None
@@ -139,7 +139,7 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     made: list[QuantizedLinear] = []
     for module_name, members in groups.items():
         is_q8 = members[0].tensor_type.name == "Q8_0"
-        codes = [[unpermute_if_rotary(_hf_name(member.name), array, config)
+        codes = [[unpermute_if_rotary(_hf_name(member.name, config["model_type"]), array, config)
                   for array in (q8_0_codes(member) if is_q8 else q4_codes(member))]
                  for member in members]
         arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
@@ -156,10 +156,10 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     return made
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, model_type: str) -> str:
     from common.gguf_convert import hf_tensor_name
 
-    return hf_tensor_name(gguf_name)
+    return hf_tensor_name(gguf_name, model_type)
 
 
 def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int) -> None:

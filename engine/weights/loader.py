@@ -48,7 +48,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         gguf_tensors = read_tensors(source)
         groups = kept_groups(model, gguf_tensors) if keep_codes else {}
         skip = codes_only(groups)
-        elsewhere = frozenset(hf_tensor_name(name) for name in skip)
+        elsewhere = frozenset(hf_tensor_name(name, config.model_type) for name in skip)
         tensors: Iterable[tuple[str, CheckpointTensor]] = float_tensors(gguf_tensors, hf_config,
                                                                        skip)
     else:
