@@ -104,9 +104,6 @@ class EngineCore:
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
         limit = model_config.max_exact_len
         self.max_model_len = min(config.max_model_len or limit, limit)
-        if limit < model_config.max_position_embeddings:
-            logger.warning("sliding-window attention is not implemented: max model len is "
-                           "capped at the window, %d tokens", limit)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.recorder = self._default_recorder() if recorder == "auto" else recorder
         num_blocks = self._num_kv_blocks()
@@ -163,6 +160,10 @@ class EngineCore:
             return None
         if self.config.tensor_parallel_size > 1:
             logger.warning("no CUDA graphs with tensor parallelism yet: decode steps run eager")
+            return None
+        if self.model.config.windowed:
+            logger.warning("no CUDA graphs: the Triton attention kernel has no sliding window "
+                           "yet, so this model's attention runs on the torch backend")
             return None
         if not triton_supports(self.model.config.head_dim, self.config.block_size):
             logger.warning("no CUDA graphs: they need triton and power-of-two head dim and "

@@ -40,6 +40,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("phi3", {"original_max_position_embeddings": 100, "rope_scaling": {
         "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
         "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
+    # Windows shorter than most requests (up to 90 tokens): each sliding layer attends to its
+    # last W tokens, in decodes, chunked prefills and prefills on cached blocks.
+    "mistral-window": ("mistral", {"sliding_window": 16}),
+    "qwen2-window": ("qwen2", {"sliding_window": 20, "use_sliding_window": True,
+                               "max_window_layers": 1, "num_hidden_layers": 3,
+                               "tie_word_embeddings": True}),
+    "gemma3_text-window": ("gemma3_text", {
+        "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     # Two sliding layers (their own rotary base) around a global one with linear scaling;
     # every request fits in the 128-token window.
     "gemma3_text": ("gemma3_text", {

@@ -296,3 +296,30 @@ def test_write_kv_refuses_a_slot_outside_the_cache(cpp: bool) -> None:
     with pytest.raises((IndexError, RuntimeError)):
         backend.write_kv(k, k, k_cache, torch.zeros_like(k_cache), torch.tensor([8]))
     assert not k_cache.any()
+
+
+WINDOW_CASES = [case for case in CASES if case.name in (
+    "decode", "decode_many_lengths", "prefill_fresh", "prefill_on_cache", "mixed",
+    "mixed_block4", "gqa4_dim128", "long_prefills_beside_short_ones")]
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 45])
+@pytest.mark.parametrize(("case", "impl"), [
+    pytest.param(case, impl, id=f"{case.name}-{impl}") for case in WINDOW_CASES
+    for impl in ("cpp", "matmul", "sdpa_buckets")])
+def test_a_sliding_window_matches_the_reference(case: Case, impl: str, window: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each query sees its last `window` tokens: within a block, across blocks, in decodes,
+    the kernel's short prefill rows, fresh and cached prefill chunks."""
+    backend = backend_for(impl, case, monkeypatch)
+    inputs = make_inputs(case, torch.float32, seed=5)
+    metadata = build(inputs, backend)
+    scale = case.head_dim**-0.5
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    write_kv(inputs.k, inputs.v, k_cache, v_cache, metadata.slot_mapping)
+    want = reference_attention(inputs.q, k_cache, v_cache, metadata, scale, window)
+    full = reference_attention(inputs.q, k_cache, v_cache, metadata, scale)
+    assert torch.allclose(want, full) == (max(inputs.seq_lens) <= window)
+    got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+                          inputs.v_cache.clone(), metadata, scale, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

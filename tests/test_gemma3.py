@@ -47,7 +47,9 @@ def test_greedy_fp32_equals_transformers_on_twenty_prompts(gemma_file: Path,
     tokenizer = AutoTokenizer.from_pretrained(gemma_dir)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     core = make_core(gemma_dir, kv_cache_memory=256 * 1024**2)
-    assert core.max_model_len == 512  # the window, until sliding windows are real
+    assert core.max_model_len == 32768  # the whole context: the sliding layers see 512
+    assert [layer.self_attn.attn.window for layer in core.model.model.layers][:6] == [
+        512, 512, 512, 512, 512, None]
     batch = [greedy_request(prompt, max_tokens=8) for prompt in prompts]
     outputs = run_to_completion(core, batch)
     reference = AutoModelForCausalLM.from_pretrained(

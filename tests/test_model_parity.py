@@ -198,18 +198,24 @@ def test_model_config_variants() -> None:
     assert llama.sliding_window is None and llama.max_exact_len == 2048
 
 
-@pytest.mark.parametrize(("overrides", "window", "exact_len"), [
-    ({"model_type": "mistral", "sliding_window": 4096}, 4096, 4096),
-    ({"model_type": "mistral", "sliding_window": None}, None, 32768),
-    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, None, 32768),
-    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, 4096, 4096),
+@pytest.mark.parametrize(("overrides", "windows"), [
+    ({"model_type": "mistral", "sliding_window": 4096}, (4096, 4096, 4096)),
+    ({"model_type": "mistral", "sliding_window": None}, (None, None, None)),
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False},
+     (None, None, None)),
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True,
+      "max_window_layers": 1}, (None, 4096, 4096)),  # as transformers 4 placed them
+    ({"model_type": "gemma3_text", "sliding_window": 512, "hidden_activation": "gelu_pytorch_tanh",
+      "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+     (512, None, 512)),
 ])
-def test_sliding_window_bounds_the_exact_length(overrides, window, exact_len) -> None:
+def test_sliding_windows_are_per_layer_and_the_whole_context_is_served(overrides,
+                                                                       windows) -> None:
     config = ModelConfig.from_hf({"hidden_size": 64, "intermediate_size": 8,
-                                  "num_hidden_layers": 1, "num_attention_heads": 4,
+                                  "num_hidden_layers": 3, "num_attention_heads": 4,
                                   "vocab_size": 10, "max_position_embeddings": 32768,
                                   **overrides})
-    assert config.sliding_window == window and config.max_exact_len == exact_len
+    assert config.layer_windows == windows and config.max_exact_len == 32768
 
 
 def test_choose_dtype(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ class CpuBackend(TorchBackend):
         run_write_kv(k, v, k_cache, v_cache, rows, max_row)
 
     def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           plan: StepPlan, scale: float, out: torch.Tensor) -> None:
+                           plan: StepPlan, scale: float, out: torch.Tensor,
+                           window: int | None) -> None:
         if plan.kernel_rows is not None:
-            run_paged_decode(q, k_cache, v_cache, plan.kernel_rows, scale, out)
+            run_paged_decode(q, k_cache, v_cache, plan.kernel_rows, scale, out, window)

@@ -61,6 +61,7 @@ class DecodeBucket:
     block_ids: torch.Tensor  # [n, num_blocks] int64, padded with block 0
     visible: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: key inside the context
     biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks
+    window_biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -99,6 +100,7 @@ class PrefillChunk:
     block_ids: torch.Tensor | None  # [num_blocks] int64 when it sits on cached tokens
     mask: torch.Tensor | None  # [query_len, seq_len] bool: key j visible to query i
     biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks
+    window_biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
     def has_cached_prefix(self) -> bool:

@@ -19,9 +19,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def reference_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    metadata: AttentionMetadata, scale: float,
+    metadata: AttentionMetadata, scale: float, window: int | None = None,
 ) -> torch.Tensor:
-    """Straightforward per-request attention over the paged cache: slow, obviously right."""
+    """Straightforward per-request attention over the paged cache: slow, obviously right.
+    With a `window`, query i sees key j when i - j < window (transformers' sliding window)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -35,7 +36,8 @@ def reference_attention(
         query = q[start:end].transpose(0, 1)  # [H, Lq, D]
         query_len = end - start
         positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        offsets = positions[:, None] - torch.arange(seq_len, device=q.device)[None, :]
+        mask = (offsets >= 0) & (offsets < (window or seq_len + 1))
         attended = F.scaled_dot_product_attention(
             query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads,

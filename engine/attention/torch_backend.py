@@ -64,6 +64,7 @@ class TorchBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[1]
         plan, head_plan = metadata.planned(num_kv_heads)
@@ -74,34 +75,37 @@ class TorchBackend(AttentionBackend):
                                           metadata.workspace)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.uses_kernel:
-            self.attend_kernel_rows(q, k_cache, v_cache, plan, scale, out)
+            self.attend_kernel_rows(q, k_cache, v_cache, plan, scale, out, window)
         elif plan.decodes is not None:
-            self.attend_decodes(q, out, plan, head_plan, keys, values, num_kv_heads, scale)
+            self.attend_decodes(q, out, plan, head_plan, keys, values, num_kv_heads, scale,
+                                window)
         cached_starts = iter(head_plan.prefill_starts)
         for chunk in plan.prefills:
             if self.uses_kernel and plan.kernel_covers(chunk):
                 continue
             if chunk.has_cached_prefix:
                 prefill_on_cache(q, out, chunk, keys, values, next(cached_starts), num_kv_heads,
-                                 scale)
+                                 scale, window)
             else:
-                prefill_fresh(q, k, v, out, chunk, scale)
+                prefill_fresh(q, k, v, out, chunk, scale, window)
         return out
 
     def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           plan: StepPlan, scale: float, out: torch.Tensor) -> None:
+                           plan: StepPlan, scale: float, out: torch.Tensor,
+                           window: int | None) -> None:
         raise NotImplementedError("the torch backend has no kernel rows")
 
     def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, plan: StepPlan,
                        head_plan: HeadPlan, keys: torch.Tensor | None,
-                       values: torch.Tensor | None, num_kv_heads: int, scale: float) -> None:
+                       values: torch.Tensor | None, num_kv_heads: int, scale: float,
+                       window: int | None) -> None:
         assert plan.decodes is not None and keys is not None and values is not None
         buckets = decode_buckets(plan.decodes, plan.block_size)
         in_place = len(buckets) == 1 and buckets[0].row_range == (0, buckets[0].size)
         use_matmul = self.decode_uses_matmul(q)
         for bucket, start in zip(buckets, head_plan.decode_starts, strict=True):
             decode_bucket(q, out, bucket, keys, values, start, num_kv_heads, scale, in_place,
-                          use_matmul)
+                          use_matmul, window)
 
     def decode_uses_matmul(self, query: torch.Tensor) -> bool:
         if self.decode_kernel is not None:
@@ -139,7 +143,7 @@ def segment(
 def decode_bucket(
     q: torch.Tensor, out: torch.Tensor, bucket: DecodeBucket, keys: torch.Tensor,
     values: torch.Tensor, start: int, num_kv_heads: int, scale: float, in_place: bool,
-    use_matmul: bool,
+    use_matmul: bool, window: int | None = None,
 ) -> None:
     """The query heads sharing a KV head are folded into the query axis: [n, H_kv, group, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -153,7 +157,8 @@ def decode_bucket(
     query = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     target = out[:n].view(query.shape) if in_place else None
     attend = attend_matmul if use_matmul else attend_sdpa
-    attended = attend(query, key_seg, value_seg, bucket, scale, target)
+    bias = decode_bias(bucket, torch.float32 if use_matmul else q.dtype, window)
+    attended = attend(query, key_seg, value_seg, bias, scale, target)
     if in_place:
         return
     attended = attended.view(n, num_heads, head_dim)
@@ -163,12 +168,23 @@ def decode_bucket(
         out.index_copy_(0, bucket.rows, attended)
 
 
+def decode_bias(bucket: DecodeBucket, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+    """0 / -inf over the bucket's keys: inside each context, and its last `window` tokens."""
+    if window is None:
+        return additive_mask(bucket.visible, dtype, bucket.biases)
+    if (window, dtype) not in bucket.window_biases:
+        lens = bucket.visible.sum(-1, keepdim=True)
+        positions = torch.arange(bucket.visible.shape[-1], device=lens.device)
+        in_window = bucket.visible & (positions >= lens - window)
+        bucket.window_biases[window, dtype] = additive_mask(in_window, dtype, {})
+    return bucket.window_biases[window, dtype]
+
+
 def attend_matmul(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket,
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
     scale: float, out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Explicit matmul -> fp32 masked softmax -> matmul."""
-    bias = additive_mask(bucket.visible, torch.float32, bucket.biases)
+    """Explicit matmul -> fp32 masked softmax -> matmul (`bias` in fp32)."""
     scores = torch.matmul(query * scale, keys.transpose(2, 3)).float().add_(bias)
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     if out is None:
@@ -177,24 +193,31 @@ def attend_matmul(
 
 
 def attend_sdpa(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bucket: DecodeBucket,
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
     scale: float, out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """SDPA's fused CPU kernel converts bf16 tiles itself: the choice without native bf16."""
-    bias = additive_mask(bucket.visible, query.dtype, bucket.biases)
+    """SDPA's fused CPU kernel converts bf16 tiles itself: the choice without native bf16
+    (`bias` in the query's dtype)."""
     attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
     return attended if out is None else out.copy_(attended)
 
 
 def prefill_fresh(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk,
-    scale: float,
+    scale: float, window: int | None = None,
 ) -> None:
-    """No cached prefix: plain causal attention over the chunk's own K/V."""
+    """No cached prefix: causal attention over the chunk's own K/V (banded by a window
+    shorter than the chunk)."""
     rows = slice(chunk.start, chunk.end)
+    length = chunk.end - chunk.start
+    mask = None
+    if window is not None and window < length:
+        positions = torch.arange(length, device=q.device)
+        offsets = positions[:, None] - positions[None, :]
+        mask = (offsets >= 0) & (offsets < window)
     attended = F.scaled_dot_product_attention(
         heads_first(q[rows]), heads_first(k[rows]).to(q.dtype), heads_first(v[rows]).to(q.dtype),
-        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
     )
     out[rows] = attended[0].transpose(0, 1)
 
@@ -202,6 +225,7 @@ def prefill_fresh(
 def prefill_on_cache(
     q: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk, keys: torch.Tensor | None,
     values: torch.Tensor | None, start: int, num_kv_heads: int, scale: float,
+    window: int | None = None,
 ) -> None:
     """New tokens on cached ones: attend the gathered context under a causal-offset mask."""
     assert chunk.block_ids is not None and chunk.mask is not None
@@ -211,10 +235,25 @@ def prefill_on_cache(
     value_seg = segment(values, start, 1, num_kv_heads, num_blocks, q.dtype)
     attended = F.scaled_dot_product_attention(
         heads_first(q[rows]), key_seg[:, :, :chunk.seq_len], value_seg[:, :, :chunk.seq_len],
-        attn_mask=additive_mask(chunk.mask, q.dtype, chunk.biases), scale=scale,
+        attn_mask=prefill_bias(chunk, q.dtype, window), scale=scale,
         enable_gqa=q.shape[1] != num_kv_heads,
     )
     out[rows] = attended[0].transpose(0, 1)
+
+
+def prefill_bias(chunk: PrefillChunk, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+    """0 / -inf over the chunk's context: causal, and each query's last `window` tokens."""
+    assert chunk.mask is not None
+    if window is None:
+        return additive_mask(chunk.mask, dtype, chunk.biases)
+    if (window, dtype) not in chunk.window_biases:
+        query_len = chunk.end - chunk.start
+        device = chunk.mask.device
+        positions = torch.arange(chunk.seq_len - query_len, chunk.seq_len, device=device)
+        keys = torch.arange(chunk.seq_len, device=device)
+        in_window = chunk.mask & (keys[None, :] > positions[:, None] - window)
+        chunk.window_biases[window, dtype] = additive_mask(in_window, dtype, {})
+    return chunk.window_biases[window, dtype]
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:

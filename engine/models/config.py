@@ -62,6 +62,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
     sliding_window: int | None = None  # the attention window transformers applies, if any
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its window, None for global ones
     moe: MoEConfig | None = None
     activation: str = "silu"  # of the gated MLP: silu or gelu_pytorch_tanh
     layer_types: tuple[str, ...] = ()  # per layer: full_attention or sliding_attention
@@ -96,6 +97,7 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
             model_type=model_type,
             sliding_window=_sliding_window(config),
+            layer_windows=_layer_windows(config),
             moe=MoEConfig.from_hf(config),
             activation=activation,
             layer_types=tuple(config.get("layer_types") or ()),
@@ -107,10 +109,13 @@ class ModelConfig:
 
     @property
     def max_exact_len(self) -> int:
-        """The longest sequence this implementation computes as transformers does."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence this implementation computes as transformers does: the whole
+        context (sliding-window layers attend through their window)."""
+        return self.max_position_embeddings
+
+    @property
+    def windowed(self) -> bool:
+        return any(window is not None for window in self.layer_windows)
 
 
 def layer_rope(config: dict[str, Any], layer_type: str) -> RopeConfig:
@@ -124,6 +129,23 @@ def layer_rope(config: dict[str, Any], layer_type: str) -> RopeConfig:
     if layer_type == "sliding_attention" and config.get("rope_local_base_freq"):
         return RopeConfig(theta=float(config["rope_local_base_freq"]))
     return RopeConfig.from_hf(config)
+
+
+def _layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window: the layers `layer_types` calls sliding (Gemma 3, transformers 5's
+    Qwens); without it, every layer (Mistral, Mixtral), or the Qwens' layers from
+    `max_window_layers` on, as transformers 4 placed them."""
+    window = _sliding_window(config)
+    layers = int(config["num_hidden_layers"])
+    if window is None:
+        return (None,) * layers
+    if config.get("layer_types"):
+        return tuple(window if kind == "sliding_attention" else None
+                     for kind in config["layer_types"])
+    if config.get("model_type") in OPTIONAL_WINDOW_MODEL_TYPES:
+        first = int(config.get("max_window_layers") or 0)
+        return tuple(window if index >= first else None for index in range(layers))
+    return (window,) * layers
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:

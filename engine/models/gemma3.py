@@ -3,8 +3,8 @@ the attention and the MLP, norms that scale by (1 + w), a GELU-tanh gated MLP, e
 scaled by sqrt(hidden), queries scaled by `query_pre_attn_scalar`, and sliding-window layers
 with their own rotary base interleaved with global ones.
 
-The sliding windows are not applied: full attention equals them while a sequence fits in
-the window, so the engine serves at most that many tokens (`ModelConfig.max_exact_len`).
+A sliding layer attends to its last `sliding_window` tokens; every layer keeps the whole
+context's KV blocks (freeing the blocks behind a window is not done yet).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class Gemma3DecoderLayer(nn.Module):
             config.layer_types[index] == "sliding_attention"
         self.input_layernorm = gemma_norm(config.hidden_size, config, dtype)
         self.self_attn = Gemma3Attention(config, dtype)
+        self.self_attn.attn.window = config.layer_windows[index] if config.layer_windows \
+            else None
         self.post_attention_layernorm = gemma_norm(config.hidden_size, config, dtype)
         self.pre_feedforward_layernorm = gemma_norm(config.hidden_size, config, dtype)
         self.mlp = MLP(config, dtype)

@@ -5,10 +5,9 @@ request, with its absolute position. q/k/v are one merged projection and gate/up
 (their parts named for the loader); how each layer splits over tensor-parallel ranks, loads,
 quantizes and computes is the layers' own business (engine.layers, engine.quantization).
 
-Mistral checkpoints load through the same class. Sliding-window attention is not
-implemented: full attention equals it while a sequence fits in the window, so a model with
-a window (Mistral v0.1: 4096; Mistral v0.2+ sets none) serves at most that many tokens
-(`ModelConfig.max_exact_len`).
+Mistral checkpoints load through the same class; a layer with a sliding window attends to
+its last `sliding_window` tokens (`ModelConfig.layer_windows`), though every layer keeps the
+whole context's KV blocks for now.
 """
 
 from __future__ import annotations
@@ -92,6 +91,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = self.attention_class(config, dtype)
+        self.self_attn.attn.window = config.layer_windows[index] if config.layer_windows \
+            else None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         feed_forward = self.make_feed_forward(config, dtype, index)
         setattr(self, self.mlp_name, feed_forward)

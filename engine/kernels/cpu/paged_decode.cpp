@@ -96,10 +96,12 @@ constexpr int kMaxGroup = 16;
 constexpr int64_t kRequestsPerThread = 4;  // from this many on, one task per request
 constexpr int kMaxDim = 256;
 
-// One request's first `num_task_heads` KV heads from `head` on.
+// One request's first `num_task_heads` KV heads from `head` on, attending its context's
+// tokens [first, seq_len) (first > 0: a sliding window).
 struct Task {
   int64_t seq_len, head, num_task_heads, group, num_kv_heads, block_size;
   float scale;
+  int64_t first;
 };
 
 // One (request, kv head): the scores of its `group` query heads over the context, softmax,
@@ -109,9 +111,13 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
                      int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
                      std::vector<float>& tile) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
-  const int64_t bs = a.block_size, group = a.group, len = a.seq_len;
+  const int64_t bs = a.block_size, group = a.group;
   const int64_t block_elems = bs * dim;
+  // The walk covers the blocks from the one holding `first`; positions count from its start.
+  const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
+  const int64_t head_start = a.first - skipped;  // positions before it are outside the window
   const int64_t num_blocks = (len + bs - 1) / bs;
+  table += skipped / bs;
   alignas(64) float query[kMaxGroup][kMaxDim];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < dim; ++d)
@@ -134,7 +140,9 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const T* keys = block_ptr(k_cache, b);
     for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(keys[i]);
-    int64_t t = 0;
+    int64_t t = b == 0 ? head_start : 0;
+    for (int64_t g = 0; g < group; ++g)  // outside the window: zero weight after softmax
+      std::fill(scores.data() + g * len + start, scores.data() + g * len + start + t, -INFINITY);
     for (; t + 4 <= count; t += 4) {
       const float* k0 = kf + t * dim;
       for (int64_t g = 0; g < group; ++g) {
@@ -217,9 +225,13 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
                      std::vector<float>& scratch) {
   constexpr int kVecs = kDim / 16;
   constexpr int64_t kRow = kGroup * kDim;  // one KV head's query (or output) rows
-  const int64_t bs = a.block_size, len = a.seq_len, heads = a.num_task_heads;
+  const int64_t bs = a.block_size, heads = a.num_task_heads;
   const int64_t block_elems = bs * kDim;
+  // As decode_one_head: the walk starts at the block holding `first`.
+  const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
+  const int64_t head_start = a.first - skipped;
   const int64_t num_blocks = (len + bs - 1) / bs;
+  table += skipped / bs;
   // The task's heads are adjacent in a block: [block][kv head][token][dim]. Walking blocks
   // outermost reads the task's whole stretch of each block at once.
   auto block_ptr = [&](const T* cache, int64_t b) {
@@ -254,7 +266,10 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
           qv[g][i] = _mm512_loadu_ps(query + h * kRow + g * kDim + 16 * i);
       float* sh = s + h * kGroup * len;
       float* mh = maxes + h * kGroup;
-      for (int64_t t = 0; t < count; ++t) {
+      const int64_t t0 = b == 0 ? head_start : 0;
+      for (int g = 0; g < kGroup; ++g)
+        std::fill(sh + g * len + start, sh + g * len + start + t0, -INFINITY);
+      for (int64_t t = t0; t < count; ++t) {
         __m512 key[kVecs];
         for (int i = 0; i < kVecs; ++i) key[i] = load16(keys + t * kDim + 16 * i);
         for (int g = 0; g < kGroup; ++g) {
@@ -336,7 +351,8 @@ template <typename T>
 void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
             const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
             const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-            int64_t block_size, int64_t dim, float scale, T* out, int threads) {
+            int64_t block_size, int64_t dim, float scale, int64_t window, T* out,
+            int threads) {
   const DecodeOne<T> one = pick_decode_one<T>(dim, num_heads / num_kv_heads);
   // Enough requests to share out: one task per request, its heads read block by block. Few:
   // one task per (request, KV head), so every thread has work.
@@ -348,8 +364,9 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < n * tasks_per_request; ++item) {
       const int64_t r = item / tasks_per_request;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[r] - window) : 0;
       const Task a{seq_lens[r], (item % tasks_per_request) * task_heads, task_heads,
-                   num_heads / num_kv_heads, num_kv_heads, block_size, scale};
+                   num_heads / num_kv_heads, num_kv_heads, block_size, scale, first};
       one(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride, dim, a,
           out + rows[r] * num_heads * dim, scores, tile);
     }
@@ -376,18 +393,19 @@ extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
                                  int64_t table_stride, const int64_t* seq_lens,
                                  const int64_t* rows, int64_t n, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t block_size, int64_t dim,
-                                 float scale, void* out, int threads) {
+                                 float scale, int64_t window, void* out, int threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kMaxGroup ||
       dim > kMaxDim)
     return 1;
   if (is_bf16)
     decode(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_cache),
            static_cast<const uint16_t*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, static_cast<uint16_t*>(out),
-           threads);
+           num_heads, num_kv_heads, block_size, dim, scale, window,
+           static_cast<uint16_t*>(out), threads);
   else
     decode(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_cache),
            static_cast<const float*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, static_cast<float*>(out), threads);
+           num_heads, num_kv_heads, block_size, dim, scale, window, static_cast<float*>(out),
+           threads);
   return 0;
 }
