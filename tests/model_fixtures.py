@@ -56,6 +56,7 @@ def build_tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: A
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }
     config_class, model_class = config_classes[model_type]
     torch.manual_seed(seed)

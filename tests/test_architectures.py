@@ -20,6 +20,7 @@ from tests.engine_helpers import (
 )
 from tests.model_fixtures import build_tiny_hf_model
 from tests.test_engine import prompt_of
+from tests.test_model_parity import prefill_logits
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -49,6 +50,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3_text-window": ("gemma3_text", {
         "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24, "tie_word_embeddings": True,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Soft caps on attention scores and logits low enough to bend them; alternating windows
+    # of 24 tokens.
+    "gemma2": ("gemma2", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24,
+                          "query_pre_attn_scalar": 16, "attn_logit_softcapping": 3.0,
+                          "final_logit_softcapping": 5.0, "tie_word_embeddings": True}),
     # Two sliding layers (their own rotary base) around a global one with linear scaling;
     # every request fits in the 128-token window.
     "gemma3_text": ("gemma3_text", {
@@ -99,3 +105,17 @@ def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path: 
     message = str(refused.value)
     assert "'gpt2'" in message and "\n" not in message
     assert all(name in message for name in ARCHITECTURES)
+
+
+def test_gemma2_logits_are_soft_capped_as_transformers_caps_them(tmp_path: Path) -> None:
+    """Greedy tokens cannot see the final cap (tanh keeps the order): the logits can."""
+    model_type, overrides = CASES["gemma2"]
+    hf_model = build_tiny_hf_model(model_type, **overrides)
+    hf_model.save_pretrained(tmp_path / "gemma2")
+    ours = load_model(str(tmp_path / "gemma2"), torch.float32, torch.device("cpu"))
+    prompt = prompt_of(30, 4)
+    logits = prefill_logits(ours, prompt)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    assert (logits - expected).abs().max().item() < 1e-4
+    assert logits.abs().max().item() <= overrides["final_logit_softcapping"]

@@ -323,3 +323,26 @@ def test_a_sliding_window_matches_the_reference(case: Case, impl: str, window: i
     got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
                           inputs.v_cache.clone(), metadata, scale, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize(("case", "impl"), [
+    pytest.param(case, impl, id=f"{case.name}-{impl}") for case in WINDOW_CASES
+    for impl in ("cpp", "matmul", "sdpa_buckets")])
+def test_soft_capped_scores_match_the_reference(case: Case, impl: str, window: int | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 2's cap: every scaled score s becomes cap * tanh(s / cap), alone and with a
+    window, on every path (SDPA cannot cap: the torch backend computes those explicitly)."""
+    backend = backend_for(impl, case, monkeypatch)
+    inputs = make_inputs(case, torch.float32, seed=6)
+    inputs.q.mul_(8)  # scores large enough for a cap of 2 to bend them
+    metadata = build(inputs, backend)
+    scale = case.head_dim**-0.5
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    write_kv(inputs.k, inputs.v, k_cache, v_cache, metadata.slot_mapping)
+    want = reference_attention(inputs.q, k_cache, v_cache, metadata, scale, window, 2.0)
+    uncapped = reference_attention(inputs.q, k_cache, v_cache, metadata, scale, window)
+    assert not torch.allclose(want, uncapped, atol=1e-3)
+    got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+                          inputs.v_cache.clone(), metadata, scale, window, 2.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -51,8 +51,9 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """q [T, num_heads, D], k and v [T, num_kv_heads, D] -> [T, num_heads, D]; with a
         `window`, each query attends to its last `window` tokens (itself included), as
-        transformers' sliding-window layers do."""
+        transformers' sliding-window layers do; with a `softcap`, every scaled score s
+        becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""

@@ -52,6 +52,6 @@ class CpuBackend(TorchBackend):
 
     def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            plan: StepPlan, scale: float, out: torch.Tensor,
-                           window: int | None) -> None:
+                           window: int | None, softcap: float | None) -> None:
         if plan.kernel_rows is not None:
-            run_paged_decode(q, k_cache, v_cache, plan.kernel_rows, scale, out, window)
+            run_paged_decode(q, k_cache, v_cache, plan.kernel_rows, scale, out, window, softcap)

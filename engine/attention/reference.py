@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata, cache_rows
 
@@ -20,9 +19,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def reference_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     metadata: AttentionMetadata, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Straightforward per-request attention over the paged cache: slow, obviously right.
-    With a `window`, query i sees key j when i - j < window (transformers' sliding window)."""
+    With a `window`, query i sees key j when i - j < window (transformers' sliding window);
+    with a `softcap`, scaled scores s become softcap * tanh(s / softcap)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -38,9 +39,12 @@ def reference_attention(
         positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
         offsets = positions[:, None] - torch.arange(seq_len, device=q.device)[None, :]
         mask = (offsets >= 0) & (offsets < (window or seq_len + 1))
-        attended = F.scaled_dot_product_attention(
-            query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
-        out[start:end] = attended.transpose(0, 1)
+        group = num_heads // num_kv_heads
+        keys = keys.repeat_interleave(group, dim=0).to(q.dtype)
+        values = values.repeat_interleave(group, dim=0).to(q.dtype)
+        scores = (query @ keys.transpose(1, 2)).float() * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[start:end] = (probs.to(q.dtype) @ values).transpose(0, 1)
     return out

@@ -64,7 +64,7 @@ class TorchBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[1]
         plan, head_plan = metadata.planned(num_kv_heads)
@@ -75,37 +75,37 @@ class TorchBackend(AttentionBackend):
                                           metadata.workspace)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.uses_kernel:
-            self.attend_kernel_rows(q, k_cache, v_cache, plan, scale, out, window)
+            self.attend_kernel_rows(q, k_cache, v_cache, plan, scale, out, window, softcap)
         elif plan.decodes is not None:
             self.attend_decodes(q, out, plan, head_plan, keys, values, num_kv_heads, scale,
-                                window)
+                                window, softcap)
         cached_starts = iter(head_plan.prefill_starts)
         for chunk in plan.prefills:
             if self.uses_kernel and plan.kernel_covers(chunk):
                 continue
             if chunk.has_cached_prefix:
                 prefill_on_cache(q, out, chunk, keys, values, next(cached_starts), num_kv_heads,
-                                 scale, window)
+                                 scale, window, softcap)
             else:
-                prefill_fresh(q, k, v, out, chunk, scale, window)
+                prefill_fresh(q, k, v, out, chunk, scale, window, softcap)
         return out
 
     def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            plan: StepPlan, scale: float, out: torch.Tensor,
-                           window: int | None) -> None:
+                           window: int | None, softcap: float | None) -> None:
         raise NotImplementedError("the torch backend has no kernel rows")
 
     def attend_decodes(self, q: torch.Tensor, out: torch.Tensor, plan: StepPlan,
                        head_plan: HeadPlan, keys: torch.Tensor | None,
                        values: torch.Tensor | None, num_kv_heads: int, scale: float,
-                       window: int | None) -> None:
+                       window: int | None, softcap: float | None) -> None:
         assert plan.decodes is not None and keys is not None and values is not None
         buckets = decode_buckets(plan.decodes, plan.block_size)
         in_place = len(buckets) == 1 and buckets[0].row_range == (0, buckets[0].size)
-        use_matmul = self.decode_uses_matmul(q)
+        use_matmul = self.decode_uses_matmul(q) or softcap is not None  # SDPA cannot cap
         for bucket, start in zip(buckets, head_plan.decode_starts, strict=True):
             decode_bucket(q, out, bucket, keys, values, start, num_kv_heads, scale, in_place,
-                          use_matmul, window)
+                          use_matmul, window, softcap)
 
     def decode_uses_matmul(self, query: torch.Tensor) -> bool:
         if self.decode_kernel is not None:
@@ -143,7 +143,7 @@ def segment(
 def decode_bucket(
     q: torch.Tensor, out: torch.Tensor, bucket: DecodeBucket, keys: torch.Tensor,
     values: torch.Tensor, start: int, num_kv_heads: int, scale: float, in_place: bool,
-    use_matmul: bool, window: int | None = None,
+    use_matmul: bool, window: int | None = None, softcap: float | None = None,
 ) -> None:
     """The query heads sharing a KV head are folded into the query axis: [n, H_kv, group, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -156,9 +156,11 @@ def decode_bucket(
         query = q.index_select(0, bucket.rows)
     query = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     target = out[:n].view(query.shape) if in_place else None
-    attend = attend_matmul if use_matmul else attend_sdpa
     bias = decode_bias(bucket, torch.float32 if use_matmul else q.dtype, window)
-    attended = attend(query, key_seg, value_seg, bias, scale, target)
+    if use_matmul:
+        attended = attend_matmul(query, key_seg, value_seg, bias, scale, target, softcap)
+    else:
+        attended = attend_sdpa(query, key_seg, value_seg, bias, scale, target)
     if in_place:
         return
     attended = attended.view(n, num_heads, head_dim)
@@ -182,10 +184,13 @@ def decode_bias(bucket: DecodeBucket, dtype: torch.dtype, window: int | None) ->
 
 def attend_matmul(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-    scale: float, out: torch.Tensor | None,
+    scale: float, out: torch.Tensor | None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """Explicit matmul -> fp32 masked softmax -> matmul (`bias` in fp32)."""
-    scores = torch.matmul(query * scale, keys.transpose(2, 3)).float().add_(bias)
+    """Explicit matmul -> (soft cap) -> fp32 masked softmax -> matmul (`bias` in fp32)."""
+    scores = torch.matmul(query * scale, keys.transpose(2, 3)).float()
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
+    scores = scores.add_(bias)
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     if out is None:
         return torch.matmul(probs, values)
@@ -204,7 +209,7 @@ def attend_sdpa(
 
 def prefill_fresh(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk,
-    scale: float, window: int | None = None,
+    scale: float, window: int | None = None, softcap: float | None = None,
 ) -> None:
     """No cached prefix: causal attention over the chunk's own K/V (banded by a window
     shorter than the chunk)."""
@@ -215,6 +220,11 @@ def prefill_fresh(
         positions = torch.arange(length, device=q.device)
         offsets = positions[:, None] - positions[None, :]
         mask = (offsets >= 0) & (offsets < window)
+    if softcap is not None:
+        if mask is None:
+            mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril_()
+        out[rows] = softcapped_attention(q[rows], k[rows], v[rows], mask, scale, softcap)
+        return
     attended = F.scaled_dot_product_attention(
         heads_first(q[rows]), heads_first(k[rows]).to(q.dtype), heads_first(v[rows]).to(q.dtype),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
@@ -225,7 +235,7 @@ def prefill_fresh(
 def prefill_on_cache(
     q: torch.Tensor, out: torch.Tensor, chunk: PrefillChunk, keys: torch.Tensor | None,
     values: torch.Tensor | None, start: int, num_kv_heads: int, scale: float,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> None:
     """New tokens on cached ones: attend the gathered context under a causal-offset mask."""
     assert chunk.block_ids is not None and chunk.mask is not None
@@ -233,6 +243,12 @@ def prefill_on_cache(
     rows, num_blocks = slice(chunk.start, chunk.end), chunk.block_ids.numel()
     key_seg = segment(keys, start, 1, num_kv_heads, num_blocks, q.dtype)
     value_seg = segment(values, start, 1, num_kv_heads, num_blocks, q.dtype)
+    if softcap is not None:
+        visible = prefill_bias(chunk, torch.float32, window) == 0
+        out[rows] = softcapped_attention(
+            q[rows], key_seg[0, :, :chunk.seq_len].transpose(0, 1),
+            value_seg[0, :, :chunk.seq_len].transpose(0, 1), visible, scale, softcap)
+        return
     attended = F.scaled_dot_product_attention(
         heads_first(q[rows]), key_seg[:, :, :chunk.seq_len], value_seg[:, :, :chunk.seq_len],
         attn_mask=prefill_bias(chunk, q.dtype, window), scale=scale,
@@ -254,6 +270,19 @@ def prefill_bias(chunk: PrefillChunk, dtype: torch.dtype, window: int | None) ->
         in_window = chunk.mask & (keys[None, :] > positions[:, None] - window)
         chunk.window_biases[window, dtype] = additive_mask(in_window, dtype, {})
     return chunk.window_biases[window, dtype]
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         visible: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """q [L, H, D], k and v [S, H_kv, D], visible [L, S]: explicit attention with scores
+    soft-capped (which SDPA cannot do), softmax in fp32 -> [L, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    keys = heads_first(k).repeat_interleave(group, dim=1).to(q.dtype)
+    values = heads_first(v).repeat_interleave(group, dim=1).to(q.dtype)
+    scores = torch.matmul(heads_first(q) * scale, keys.transpose(2, 3)).float()
+    scores = torch.tanh(scores / softcap).mul_(softcap).masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values)[0].transpose(0, 1)
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:

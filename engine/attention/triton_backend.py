@@ -35,10 +35,10 @@ class TritonBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
-        if window is not None:  # the selector never picks this backend for such a model
-            raise NotImplementedError("the Triton attention kernel has no sliding window")
+        if window is not None or softcap is not None:  # the selector keeps such models off it
+            raise NotImplementedError("the Triton attention kernel has no window or softcap")
         if metadata.triton_rows is None:
             raise RuntimeError("attention metadata used before the Triton backend planned it")
         triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)

@@ -23,9 +23,10 @@ CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
 
 def run_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
-    scale: float, out: torch.Tensor, window: int | None = None,
+    scale: float, out: torch.Tensor, window: int | None = None, softcap: float | None = None,
 ) -> None:
-    """Each row attends its context's last `window` tokens (all of them without one)."""
+    """Each row attends its context's last `window` tokens (all of them without one), its
+    scaled scores soft-capped at `softcap` where given."""
     kernel = load_cpp_decode()
     assert kernel is not None
     if not q.dtype == k_cache.dtype == v_cache.dtype:  # one dtype flag for all three
@@ -39,7 +40,8 @@ def run_paged_decode(
         int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
         batch.row_index.data_ptr(), batch.size, q.shape[1], k_cache.shape[1], k_cache.shape[2],
-        q.shape[2], scale, window or 0, out.data_ptr(), torch.get_num_threads(),
+        q.shape[2], scale, window or 0, softcap or 0.0, out.data_ptr(),
+        torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"paged decode kernel refused its arguments ({status})")
@@ -70,7 +72,7 @@ def load_cpp_library() -> ctypes.CDLL | None:
     return load_library("paged_decode", "the torch path", {
         "loom_write_kv": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, I64], None),
         "loom_paged_decode": ([INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64,
-                               I64, FLOAT, I64, PTR, INT], ctypes.c_int),
+                               I64, FLOAT, I64, FLOAT, PTR, INT], ctypes.c_int),
     })
 
 

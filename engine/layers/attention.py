@@ -11,24 +11,27 @@ from engine.attention.op import paged_attention_op
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, scale: float, window: int | None = None) -> None:
-        """`window`: a sliding-window layer's (each query sees its last `window` tokens)."""
+    def __init__(self, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> None:
+        """`window`: a sliding-window layer's (each query sees its last `window` tokens);
+        `softcap`: its scores' soft cap (Gemma 2)."""
         super().__init__()
         self.scale = scale
         self.window = window
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [T, heads, D], k and v [T, kv_heads, D] -> [T, heads, D]."""
         context = current_context()
         return context.backend.forward(q, k, v, kv_cache[0], kv_cache[1], context.metadata,
-                                       self.scale, self.window)
+                                       self.scale, self.window, self.softcap)
 
     def forward_as_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The same through `loom::paged_attention`, which torch.compile keeps opaque."""
         return paged_attention_op(q, k, v, kv_cache[0], kv_cache[1], self.scale,
-                                  self.window or 0)
+                                  self.window or 0, self.softcap or 0.0)
 
     def trace_as_op(self) -> None:
         self.forward = self.forward_as_op

@@ -69,6 +69,7 @@ class ModelConfig:
     rope_local: RopeConfig | None = None  # the sliding layers' own rotary, where they have one
     attention_scale: float | None = None  # instead of head_dim ** -0.5
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
@@ -105,6 +106,7 @@ class ModelConfig:
             else None,
             attention_scale=float(query_scalar) ** -0.5 if query_scalar else None,
             final_logit_softcapping=config.get("final_logit_softcapping"),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
         )
 
     @property

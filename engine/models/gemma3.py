@@ -15,7 +15,7 @@ from torch import nn
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTables
 from engine.models.config import ModelConfig
-from engine.models.llama import MLP, KVCache, LlamaForCausalLM, LlamaModel, Rope
+from engine.models.llama import MLP, Attention, KVCache, LlamaForCausalLM, LlamaModel, Rope
 from engine.models.qwen3 import Qwen3Attention
 
 GEMMA_NORM_OFFSET = 1.0
@@ -33,12 +33,15 @@ class Gemma3Attention(Qwen3Attention):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    attention_class: type[Attention] = Gemma3Attention
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None, index: int) -> None:
         super().__init__()
         self.sliding = bool(config.layer_types) and \
             config.layer_types[index] == "sliding_attention"
         self.input_layernorm = gemma_norm(config.hidden_size, config, dtype)
-        self.self_attn = Gemma3Attention(config, dtype)
+        self.self_attn = self.attention_class(config, dtype)
+        self.self_attn.attn.softcap = config.attn_logit_softcapping
         self.self_attn.attn.window = config.layer_windows[index] if config.layer_windows \
             else None
         self.post_attention_layernorm = gemma_norm(config.hidden_size, config, dtype)
@@ -83,3 +86,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache)
         return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)

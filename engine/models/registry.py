@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -19,6 +20,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "mixtral": MixtralForCausalLM,
     "phi3": Phi3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
 }
 
 

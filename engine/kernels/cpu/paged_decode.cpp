@@ -7,6 +7,7 @@
 #include "numerics.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__)
@@ -97,12 +98,18 @@ constexpr int64_t kRequestsPerThread = 4;  // from this many on, one task per re
 constexpr int kMaxDim = 256;
 
 // One request's first `num_task_heads` KV heads from `head` on, attending its context's
-// tokens [first, seq_len) (first > 0: a sliding window).
+// tokens [first, seq_len) (first > 0: a sliding window); softcap > 0: every scaled score s
+// becomes softcap * tanh(s / softcap) (Gemma 2).
 struct Task {
   int64_t seq_len, head, num_task_heads, group, num_kv_heads, block_size;
   float scale;
   int64_t first;
+  float softcap;
 };
+
+inline float capped(float s, float softcap) {
+  return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
+}
 
 // One (request, kv head): the scores of its `group` query heads over the context, softmax,
 // then the weighted sum of values. kDim > 0 fixes head_dim at compile time.
@@ -156,6 +163,8 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
           s3 += qg[d] * k0[3 * dim + d];
         }
         float* sg = scores.data() + g * len + start + t;
+        s0 = capped(s0, a.softcap), s1 = capped(s1, a.softcap);
+        s2 = capped(s2, a.softcap), s3 = capped(s3, a.softcap);
         sg[0] = s0, sg[1] = s1, sg[2] = s2, sg[3] = s3;
         maxes[g] = std::max(maxes[g], std::max(std::max(s0, s1), std::max(s2, s3)));
       }
@@ -166,6 +175,7 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
         const float* qg = query[g];
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < dim; ++d) s += qg[d] * kf[t * dim + d];
+        s = capped(s, a.softcap);
         scores[g * len + start + t] = s;
         maxes[g] = std::max(maxes[g], s);
       }
@@ -275,7 +285,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
         for (int g = 0; g < kGroup; ++g) {
           __m512 dot = _mm512_mul_ps(qv[g][0], key[0]);
           for (int i = 1; i < kVecs; ++i) dot = _mm512_fmadd_ps(qv[g][i], key[i], dot);
-          const float score = _mm512_reduce_add_ps(dot);
+          const float score = capped(_mm512_reduce_add_ps(dot), a.softcap);
           sh[g * len + start + t] = score;
           mh[g] = std::max(mh[g], score);
         }
@@ -351,8 +361,8 @@ template <typename T>
 void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
             const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
             const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-            int64_t block_size, int64_t dim, float scale, int64_t window, T* out,
-            int threads) {
+            int64_t block_size, int64_t dim, float scale, int64_t window, float softcap,
+            T* out, int threads) {
   const DecodeOne<T> one = pick_decode_one<T>(dim, num_heads / num_kv_heads);
   // Enough requests to share out: one task per request, its heads read block by block. Few:
   // one task per (request, KV head), so every thread has work.
@@ -366,7 +376,7 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
       const int64_t r = item / tasks_per_request;
       const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[r] - window) : 0;
       const Task a{seq_lens[r], (item % tasks_per_request) * task_heads, task_heads,
-                   num_heads / num_kv_heads, num_kv_heads, block_size, scale, first};
+                   num_heads / num_kv_heads, num_kv_heads, block_size, scale, first, softcap};
       one(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride, dim, a,
           out + rows[r] * num_heads * dim, scores, tile);
     }
@@ -393,19 +403,20 @@ extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
                                  int64_t table_stride, const int64_t* seq_lens,
                                  const int64_t* rows, int64_t n, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t block_size, int64_t dim,
-                                 float scale, int64_t window, void* out, int threads) {
+                                 float scale, int64_t window, float softcap, void* out,
+                                 int threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kMaxGroup ||
       dim > kMaxDim)
     return 1;
   if (is_bf16)
     decode(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_cache),
            static_cast<const uint16_t*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, window,
+           num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
            static_cast<uint16_t*>(out), threads);
   else
     decode(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_cache),
            static_cast<const float*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, window, static_cast<float*>(out),
-           threads);
+           num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
+           static_cast<float*>(out), threads);
   return 0;
 }
