@@ -47,6 +47,12 @@ class GGUFArchitecture:
 
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("llama", "LlamaForCausalLM", _LLAMA_LAYER_TENSORS, True),
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", _LLAMA_LAYER_TENSORS, False),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", {
+        **_LLAMA_LAYER_TENSORS,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    }, rotary_permuted=False),
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", {
         **_LLAMA_LAYER_TENSORS,
         "attn_q_norm": "self_attn.q_norm",
@@ -143,6 +149,8 @@ def hf_config_from_gguf(metadata: dict[str, Any], tied: bool,
     }
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
+    if arch == "qwen3":  # its heads are not hidden / heads wide
+        config["head_dim"] = int(get("attention.key_length", config["head_dim"]))
     return config
 
 

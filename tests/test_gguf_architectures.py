@@ -1,0 +1,68 @@
+"""GGUF files of the architectures llama.cpp writes beyond Llama, made tiny from a random
+transformers model with gguf's own writer and names: the engine's logits equal transformers'
+on the same file (transformers reads GGUF with its own name map)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.gguf_model import prepare_gguf
+from engine.weights.loader import load_model
+from tests.model_fixtures import TINY_LLAMA, build_tiny_hf_model
+from tests.test_engine import prompt_of
+from tests.test_model_parity import prefill_logits
+
+# transformers reads a Qwen3 GGUF's head size as its config's default (128), not the file's.
+CASES = {"qwen2": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 128}}
+
+
+def write_gguf(path: Path, architecture: str, hf_model: torch.nn.Module) -> None:
+    import gguf
+
+    config = hf_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(TINY_LLAMA["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    for hf_name, tensor in hf_model.state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        if config.tie_word_embeddings and base == "lm_head":
+            continue
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}",
+                          np.ascontiguousarray(tensor.float().numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("architecture", CASES)
+def test_a_gguf_of_the_architecture_equals_transformers(architecture: str,
+                                                        tmp_path: Path) -> None:
+    hf_model = build_tiny_hf_model(architecture, **CASES[architecture])
+    path = tmp_path / f"tiny-{architecture}.gguf"
+    write_gguf(path, architecture, hf_model)
+    model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
+    ours = load_model(model_dir, torch.float32, torch.device("cpu"))
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    prompt = prompt_of(20, 3)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    assert (prefill_logits(ours, prompt) - expected).abs().max().item() < 1e-4
