@@ -161,10 +161,6 @@ class EngineCore:
         if self.config.tensor_parallel_size > 1:
             logger.warning("no CUDA graphs with tensor parallelism yet: decode steps run eager")
             return None
-        if self.model.config.windowed:
-            logger.warning("no CUDA graphs: the Triton attention kernel has no sliding window "
-                           "yet, so this model's attention runs on the torch backend")
-            return None
         if not triton_supports(self.model.config.head_dim, self.config.block_size):
             logger.warning("no CUDA graphs: they need triton and power-of-two head dim and "
                            "block size")

@@ -54,9 +54,17 @@ def test_every_decode_batch_up_to_the_largest_bucket_has_a_graph(max_num_seqs: i
         bucket_for(sizes, sizes[-1] + 1)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Module]:
-    hf_model = build_tiny_hf_model()
+# The Triton kernel the graphs replay, plain and with Gemma 2's 12-token windows and caps.
+GRAPH_MODELS = {"llama": ("llama", {}), "gemma2": ("gemma2", {
+    "head_dim": 16, "num_hidden_layers": 2, "sliding_window": 12, "query_pre_attn_scalar": 16,
+    "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0, "tie_word_embeddings": True})}
+
+
+@pytest.fixture(scope="module", params=list(GRAPH_MODELS))
+def tiny(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Module]:
+    model_type, overrides = GRAPH_MODELS[request.param]
+    hf_model = build_tiny_hf_model(model_type, **overrides)
     model_dir = tmp_path_factory.mktemp("graphs") / "tiny"
     hf_model.save_pretrained(model_dir)
     return str(model_dir), hf_model

@@ -23,6 +23,7 @@ DEVICE = torch.device("cuda" if NATIVE else "cpu")
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install .[gpu])")
 
 from engine.attention import triton_kernels as triton_attention  # noqa: E402
+from engine.attention.reference import reference_attention, write_kv  # noqa: E402
 from engine.attention.triton_backend import TritonBackend, query_rows  # noqa: E402
 from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
 
@@ -83,3 +84,22 @@ def test_paged_attention_refuses_heads_that_do_not_group() -> None:
     with pytest.raises(ValueError, match="5 query heads for 2 KV heads"):
         triton_attention.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache,
                                          metadata.block_tables, rows, 0.125)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(7, None), (16, None), (None, 2.0), (5, 2.0)])
+@pytest.mark.parametrize("case", [case for case in TRITON_CASES
+                                  if case.name in ("decode", "mixed", "mixed_block4", "gqa3")],
+                         ids=lambda case: case.name)
+def test_windows_and_soft_caps_match_the_reference(case: Case, window: int | None,
+                                                   softcap: float | None) -> None:
+    inputs = make_inputs(case, torch.float32, seed=7)
+    inputs.q.mul_(8)  # scores large enough for the cap to bend them
+    metadata = build(inputs, TritonBackend(case.block_size, case.num_kv_heads))
+    scale = case.head_dim**-0.5
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    write_kv(inputs.k, inputs.v, k_cache, v_cache, metadata.slot_mapping)
+    want = reference_attention(inputs.q, k_cache, v_cache, metadata, scale, window, softcap)
+    got = triton_attention.paged_attention(
+        inputs.q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+        metadata.block_tables.to(DEVICE), query_rows(metadata, DEVICE), scale, window, softcap)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)

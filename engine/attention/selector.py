@@ -20,13 +20,10 @@ from engine.attention.triton_backend import TritonBackend
 
 def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads: int,
                              num_kv_heads: int, head_dim: int, block_size: int,
-                             windowed: bool = False, softcapped: bool = False,
                              ) -> AttentionBackend:
-    """`num_heads`, `num_kv_heads`: this process's share of the model's heads; `windowed`,
-    `softcapped`: some layers attend through a sliding window, or soft-cap their scores
-    (the Triton kernel does neither yet)."""
-    if _enabled("LOOM_TRITON_ATTENTION") and not (windowed or softcapped) and \
-            TritonBackend.supports(device, head_dim, block_size):
+    """`num_heads`, `num_kv_heads`: this process's share of the model's heads."""
+    if _enabled("LOOM_TRITON_ATTENTION") and TritonBackend.supports(device, head_dim,
+                                                                    block_size):
         return TritonBackend(block_size, num_kv_heads)
     if _enabled("LOOM_CPP_DECODE") and CpuBackend.supports(device, dtype, num_heads,
                                                            num_kv_heads, head_dim):

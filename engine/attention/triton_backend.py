@@ -37,13 +37,11 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
-        if window is not None or softcap is not None:  # the selector keeps such models off it
-            raise NotImplementedError("the Triton attention kernel has no window or softcap")
         if metadata.triton_rows is None:
             raise RuntimeError("attention metadata used before the Triton backend planned it")
         triton_write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return triton_attention(q, k_cache, v_cache, metadata.block_tables,
-                                metadata.triton_rows, scale)
+                                metadata.triton_rows, scale, window, softcap)
 
 
 def triton_supports(head_dim: int, block_size: int) -> bool:

@@ -36,6 +36,9 @@ class QueryRows:
     context_len: torch.Tensor  # [T] int32
 
 
+NO_WINDOW = 1 << 30  # a window longer than any context
+
+
 @functools.cache
 def kernels() -> Any:
     """The jitted kernels (imports triton; TRITON_INTERPRET must be set before the first call
@@ -61,9 +64,9 @@ def kernels() -> Any:
     @triton.jit
     def paged_attention_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, tables_ptr,
                                requests_ptr, context_lens_ptr, q_token_stride, out_token_stride,
-                               table_stride, num_kv_heads, scale, GROUP: tl.constexpr,
+                               table_stride, num_kv_heads, scale, window, GROUP: tl.constexpr,
                                GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                               HEAD_DIM: tl.constexpr):
+                               HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         request = tl.load(requests_ptr + row).to(tl.int64)
@@ -78,14 +81,17 @@ def kernels() -> Any:
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         tokens = tl.arange(0, BLOCK_SIZE)
-        for start in range(0, context_len, BLOCK_SIZE):
+        first = tl.maximum(context_len - window, 0)  # the first token the row sees
+        for start in range(first // BLOCK_SIZE * BLOCK_SIZE, context_len, BLOCK_SIZE):
             block = tl.load(tables_ptr + request * table_stride + start // BLOCK_SIZE)
-            visible = start + tokens < context_len
+            visible = (start + tokens < context_len) & (start + tokens >= first)
             rows = ((block.to(tl.int64) * num_kv_heads + kv_head) * BLOCK_SIZE + tokens)
             offsets = rows[:, None] * HEAD_DIM + dims[None, :]
             k = tl.load(k_cache_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_cache_ptr + offsets, mask=visible[:, None], other=0.0).to(tl.float32)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
+            if SOFTCAP > 0:  # SOFTCAP * tanh(scores / SOFTCAP), tanh through the sigmoid
+                scores = SOFTCAP * (2.0 * tl.sigmoid(2.0 * scores / SOFTCAP) - 1.0)
             scores = tl.where(visible[None, :], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             weights = tl.exp(scores - new_max[:, None])
@@ -114,9 +120,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, rows: QueryRows, scale: float) -> torch.Tensor:
+                    block_tables: torch.Tensor, rows: QueryRows, scale: float,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [T, heads, D] over the caches: each row attends its request's first
-    `rows.context_len` tokens. Returns [T, heads, D] in q's dtype."""
+    `rows.context_len` tokens (the last `window` of them, with one), its scaled scores
+    soft-capped at `softcap` where given. Returns [T, heads, D] in q's dtype."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -132,7 +140,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _, paged_attention_kernel = kernels()
     paged_attention_kernel[(tokens, num_kv_heads)](
         q, out, k_cache, v_cache, block_tables, rows.request, rows.context_len, q.stride(0),
-        out.stride(0), block_tables.stride(0), num_kv_heads, scale, GROUP=group,
-        GROUP_PAD=max(1, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim)
+        out.stride(0), block_tables.stride(0), num_kv_heads, scale, window or NO_WINDOW,
+        GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, SOFTCAP=float(softcap or 0.0))
     return out

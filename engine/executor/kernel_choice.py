@@ -41,9 +41,7 @@ class KernelChoice:
                block_size: int, compiled: bool) -> KernelChoice:
         backend = select_attention_backend(device, dtype, model.num_local_heads,
                                            model.num_local_kv_heads, model.config.head_dim,
-                                           block_size, windowed=model.config.windowed,
-                                           softcapped=model.config.attn_logit_softcapping
-                                           is not None)
+                                           block_size)
         cpp = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                and not compiled and os.environ.get("LOOM_CPP_ELEMENTWISE", "1") != "0"
                and load_elementwise() is not None)
