@@ -45,6 +45,12 @@ class GGUFArchitecture:
     norm_offset: float = 0.0  # llama.cpp stores Gemma's norms as 1 + w
 
 
+_GEMMA_LAYER_TENSORS = {
+    **_LLAMA_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("llama", "LlamaForCausalLM", _LLAMA_LAYER_TENSORS, True),
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", _LLAMA_LAYER_TENSORS, False),
@@ -53,13 +59,12 @@ GGUF_ARCHITECTURES = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     }, rotary_permuted=False),
+    "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", _GEMMA_LAYER_TENSORS,
+                               rotary_permuted=False, norm_offset=1.0),
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", {
-        **_LLAMA_LAYER_TENSORS,
+        **_GEMMA_LAYER_TENSORS,
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
     }, rotary_permuted=False, norm_offset=1.0),
 }
 BY_MODEL_TYPE = {arch.model_type: arch for arch in GGUF_ARCHITECTURES.values()}
@@ -149,9 +154,28 @@ def hf_config_from_gguf(metadata: dict[str, Any], tied: bool,
     }
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
+    if arch == "gemma2":
+        config.update(_gemma2_config(get, config))
     if arch == "qwen3":  # its heads are not hidden / heads wide
         config["head_dim"] = int(get("attention.key_length", config["head_dim"]))
     return config
+
+
+def _gemma2_config(get: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2: alternating sliding and global layers, its soft caps from the file (or
+    transformers' Gemma2 defaults), queries scaled by the head size."""
+    head_dim = int(get("attention.key_length", config["head_dim"]))
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if index % 2 == 0 else "full_attention"
+                        for index in range(config["num_hidden_layers"])],
+        "attn_logit_softcapping": _clean_float(get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": _clean_float(get("final_logit_softcapping", 30.0)),
+    }
 
 
 def _gemma3_config(get: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:

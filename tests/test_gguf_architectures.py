@@ -18,7 +18,11 @@ from tests.test_engine import prompt_of
 from tests.test_model_parity import prefill_logits
 
 # transformers reads a Qwen3 GGUF's head size as its config's default (128), not the file's.
-CASES = {"qwen2": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 128}}
+# Gemma 2's GGUF config is read with transformers' defaults too (head size 256, query scalar
+# 256, caps 50 and 30); the case keeps them, with a 12-token window.
+CASES = {"qwen2": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 128},
+         "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 12,
+                    "tie_word_embeddings": True}}
 
 
 def write_gguf(path: Path, architecture: str, hf_model: torch.nn.Module) -> None:
@@ -40,12 +44,16 @@ def write_gguf(path: Path, architecture: str, hf_model: torch.nn.Module) -> None
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(TINY_LLAMA["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
     for hf_name, tensor in hf_model.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
         if config.tie_word_embeddings and base == "lm_head":
             continue
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}",
-                          np.ascontiguousarray(tensor.float().numpy()))
+        weight = tensor.float().numpy()
+        if architecture.startswith("gemma") and base.endswith("norm"):
+            weight = weight + 1  # llama.cpp stores Gemma's norms as 1 + w
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(weight))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -62,7 +70,7 @@ def test_a_gguf_of_the_architecture_equals_transformers(architecture: str,
     ours = load_model(model_dir, torch.float32, torch.device("cpu"))
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
                                                      dtype=torch.float32).eval()
-    prompt = prompt_of(20, 3)
+    prompt = prompt_of(30, 3)  # longer than Gemma 2's window
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
     assert (prefill_logits(ours, prompt) - expected).abs().max().item() < 1e-4
