@@ -161,9 +161,10 @@ def hf_config_from_gguf(metadata: dict[str, Any], tied: bool,
     return config
 
 
-def _gemma2_config(get: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2: alternating sliding and global layers, its soft caps from the file (or
-    transformers' Gemma2 defaults), queries scaled by the head size."""
+def _gemma_config(get: Callable[..., Any], config: dict[str, Any],
+                  sliding: Callable[[int], bool]) -> dict[str, Any]:
+    """What a Gemma GGUF leaves to transformers' Gemma defaults, spelled out: queries scaled
+    by the head size, GELU-tanh, and which layers slide."""
     head_dim = int(get("attention.key_length", config["head_dim"]))
     return {
         "head_dim": head_dim,
@@ -171,29 +172,30 @@ def _gemma2_config(get: Callable[..., Any], config: dict[str, Any]) -> dict[str,
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_act": "gelu_pytorch_tanh",
         "sliding_window": int(get("attention.sliding_window")),
-        "layer_types": ["sliding_attention" if index % 2 == 0 else "full_attention"
+        "layer_types": ["sliding_attention" if sliding(index) else "full_attention"
                         for index in range(config["num_hidden_layers"])],
+    }
+
+
+def _gemma2_config(get: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2: alternating sliding and global layers, and its soft caps (from the file, or
+    transformers' Gemma2 defaults)."""
+    return {
+        **_gemma_config(get, config, lambda index: index % 2 == 0),
         "attn_logit_softcapping": _clean_float(get("attn_logit_softcapping", 50.0)),
         "final_logit_softcapping": _clean_float(get("final_logit_softcapping", 30.0)),
     }
 
 
 def _gemma3_config(get: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
-    """What a Gemma 3 GGUF leaves to transformers' Gemma3 defaults, spelled out."""
-    head_dim = int(get("attention.key_length", config["head_dim"]))
-    layers = config["num_hidden_layers"]
+    """Gemma 3: every sixth layer global, the sliding ones with their own rotary base."""
     global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
     if get("rope.scaling.type") == "linear":
         global_rope = {**global_rope, "rope_type": "linear",
                        "factor": float(get("rope.scaling.factor"))}
     return {
-        "head_dim": head_dim,
-        "query_pre_attn_scalar": head_dim,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "hidden_act": "gelu_pytorch_tanh",
-        "sliding_window": int(get("attention.sliding_window")),
-        "layer_types": ["full_attention" if (index + 1) % GEMMA3_SLIDING_PATTERN == 0
-                        else "sliding_attention" for index in range(layers)],
+        **_gemma_config(get, config,
+                        lambda index: (index + 1) % GEMMA3_SLIDING_PATTERN != 0),
         "rope_parameters": {"full_attention": global_rope, "sliding_attention": {
             "rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}},
         "final_logit_softcapping": None,
