@@ -98,7 +98,13 @@ def assert_tp2_equals_tp1(model_dir: str, prompts: list[list[int]]) -> None:
     ("qwen3", {"head_dim": 16}),  # q/k norms over each rank's heads
     ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "norm_topk_prob": True}),  # experts split
-], ids=["even", "uneven", "qwen3", "qwen3_moe"])
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                 "sliding_window": 16}),  # experts split, windows over each rank's heads
+    ("gemma2", {"head_dim": 16, "sliding_window": 16, "query_pre_attn_scalar": 16,
+                "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,
+                "tie_word_embeddings": True}),  # caps, a tied head split by vocabulary
+    ("phi3", {}),  # the checkpoint's fused qkv and gate_up split by parts
+], ids=["even", "uneven", "qwen3", "qwen3_moe", "mixtral", "gemma2", "phi3"])
 def test_tp2_logits_equal_tp1_on_the_tiny_model(model_type: str, shape: dict,
                                                 tmp_path: Path) -> None:
     model_dir = build_tiny_llama_dir(tmp_path, model_type, **shape)
