@@ -8,28 +8,24 @@ around one).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.attention.triton_backend import TritonBackend
+from engine.kernels.build import kernel_enabled
 
 
 def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads: int,
                              num_kv_heads: int, head_dim: int, block_size: int,
                              ) -> AttentionBackend:
     """`num_heads`, `num_kv_heads`: this process's share of the model's heads."""
-    if _enabled("LOOM_TRITON_ATTENTION") and TritonBackend.supports(device, head_dim,
+    if kernel_enabled("LOOM_TRITON_ATTENTION") and TritonBackend.supports(device, head_dim,
                                                                     block_size):
         return TritonBackend(block_size, num_kv_heads)
-    if _enabled("LOOM_CPP_DECODE") and CpuBackend.supports(device, dtype, num_heads,
+    if kernel_enabled("LOOM_CPP_DECODE") and CpuBackend.supports(device, dtype, num_heads,
                                                            num_kv_heads, head_dim):
         return CpuBackend(block_size, num_kv_heads)
     return TorchBackend(block_size, num_kv_heads)
 
-
-def _enabled(variable: str) -> bool:
-    return os.environ.get(variable, "1") != "0"

@@ -13,7 +13,6 @@ logged in one line.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.attention.selector import select_attention_backend
+from engine.kernels.build import kernel_enabled
 from engine.kernels.elementwise import load_elementwise
 from engine.layers.attention import PagedAttention
 from engine.layers.custom_op import Implementation, use_implementation
@@ -43,7 +43,7 @@ class KernelChoice:
                                            model.num_local_kv_heads, model.config.head_dim,
                                            block_size)
         cpp = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-               and not compiled and os.environ.get("LOOM_CPP_ELEMENTWISE", "1") != "0"
+               and not compiled and kernel_enabled("LOOM_CPP_ELEMENTWISE")
                and load_elementwise() is not None)
         return cls(backend, "cpu" if cpp else "native", compiled)
 

@@ -31,6 +31,11 @@ SOURCE_DIR = Path(__file__).parent / "cpu"
 I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
+def kernel_enabled(variable: str) -> bool:
+    """A kernel's switch: on unless the environment sets `variable` to 0."""
+    return os.environ.get(variable, "1") != "0"
+
+
 def load_library(name: str, fallback: str,
                  signatures: dict[str, tuple[list[Any], Any]]) -> ctypes.CDLL | None:
     """Build `<name>.cpp` (once, cached on disk) and load it, each function of `signatures`

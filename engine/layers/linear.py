@@ -68,21 +68,17 @@ class LinearBase(nn.Linear):
         return product
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__(in_features, out_features, bias, dtype, tp_shard())
-
-
 class MergedColumnParallelLinear(LinearBase):
     """Several projections of one input stacked by rows, each split over the ranks."""
 
     def __init__(self, in_features: int, part_sizes: list[int], parts: tuple[str, ...],
-                 bias: bool = False, dtype: torch.dtype | None = None) -> None:
-        """`parts` empty: the checkpoint holds the stacked tensor itself (Phi-3)."""
+                 bias: bool = False, dtype: torch.dtype | None = None,
+                 spans: list[tuple[int, int]] | None = None) -> None:
+        """`parts` empty: the checkpoint holds the stacked tensor itself (Phi-3). `spans`:
+        this rank's rows of each part (by default each part split as evenly as it can)."""
         shard = tp_shard()
         self.part_sizes = part_sizes
-        self.spans = [shard.span(size) for size in part_sizes]
+        self.spans = spans or [shard.span(size) for size in part_sizes]
         local = [end - start for start, end in self.spans]
         super().__init__(in_features, sum(local), bias, dtype, shard)
         self.parts = parts
@@ -123,17 +119,11 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.num_kv_heads = kv_end - kv_start
         self.num_heads = self.num_kv_heads * group
         self.head_dim = head_dim
-        nn.Linear.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim,
-                           bias=bias, dtype=dtype)
-        self.shard = shard
-        self.requires_grad_(False)
-        self.parts = parts
         q_span = (kv_start * group * head_dim, kv_end * group * head_dim)
         kv_span = (kv_start * head_dim, kv_end * head_dim)
-        self.spans = [q_span, kv_span, kv_span]
-        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.offsets = [0, q_size, q_size + kv_size, q_size + 2 * kv_size]
-        self.part_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                       num_kv_heads * head_dim], parts, bias, dtype,
+                         spans=[q_span, kv_span, kv_span])
 
 
 class _Rows:

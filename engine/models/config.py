@@ -119,6 +119,10 @@ class ModelConfig:
     def windowed(self) -> bool:
         return any(window is not None for window in self.layer_windows)
 
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
 
 def layer_rope(config: dict[str, Any], layer_type: str) -> RopeConfig:
     """The rotary of one kind of layer: transformers 5 keys `rope_parameters` by layer type

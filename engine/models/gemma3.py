@@ -26,10 +26,7 @@ def gemma_norm(size: int, config: ModelConfig, dtype: torch.dtype | None) -> RMS
 
 
 class Gemma3Attention(Qwen3Attention):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
-        super().__init__(config, dtype)
-        self.q_norm = gemma_norm(config.head_dim, config, dtype)
-        self.k_norm = gemma_norm(config.head_dim, config, dtype)
+    qk_norm_offset = GEMMA_NORM_OFFSET
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -42,8 +39,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.input_layernorm = gemma_norm(config.hidden_size, config, dtype)
         self.self_attn = self.attention_class(config, dtype)
         self.self_attn.attn.softcap = config.attn_logit_softcapping
-        self.self_attn.attn.window = config.layer_windows[index] if config.layer_windows \
-            else None
+        self.self_attn.attn.window = config.window_of(index)
         self.post_attention_layernorm = gemma_norm(config.hidden_size, config, dtype)
         self.pre_feedforward_layernorm = gemma_norm(config.hidden_size, config, dtype)
         self.mlp = MLP(config, dtype)
@@ -63,10 +59,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3Model(LlamaModel):
     layer_class = Gemma3DecoderLayer  # type: ignore[assignment]
+    norm_offset = GEMMA_NORM_OFFSET
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__(config, dtype)
-        self.norm = gemma_norm(config.hidden_size, config, dtype)
         rope_local = config.rope_local or config.rope
         self.rotary_tables_local = RotaryTables(rope_local, config.head_dim,
                                                 config.max_position_embeddings, dtype)

@@ -91,8 +91,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = self.attention_class(config, dtype)
-        self.self_attn.attn.window = config.layer_windows[index] if config.layer_windows \
-            else None
+        self.self_attn.attn.window = config.window_of(index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         feed_forward = self.make_feed_forward(config, dtype, index)
         setattr(self, self.mlp_name, feed_forward)
@@ -117,13 +116,14 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_class: type[DecoderLayer] = DecoderLayer
+    norm_offset = 0.0  # the final norm's RMSNorm weight_offset (Gemma's scale by 1 + w)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             self.layer_class(config, dtype, index) for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.norm_offset)
         self.rotary_tables = RotaryTables(config.rope, config.head_dim,
                                           config.max_position_embeddings, dtype)
 

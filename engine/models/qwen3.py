@@ -11,10 +11,12 @@ from engine.models.llama import Attention, DecoderLayer, KVCache, LlamaForCausal
 
 
 class Qwen3Attention(Attention):
+    qk_norm_offset = 0.0  # RMSNorm's weight_offset (Gemma's norms scale by 1 + w)
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__(config, dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, self.qk_norm_offset)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, self.qk_norm_offset)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache) -> torch.Tensor:
         tokens = x.shape[0]
