@@ -25,7 +25,7 @@ from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import reference_attention, write_kv
-from engine.attention.torch_backend import TorchBackend
+from engine.attention.torch_backend import TorchBackend, decode_kernel_for
 from engine.platform.cpu import native_bf16_matmul
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -97,7 +97,8 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def bench(config: Config, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     s = make_setup(config, dtype)
-    torch_backend = TorchBackend(BLOCK_SIZE, NUM_KV_HEADS)
+    torch_backend = TorchBackend(BLOCK_SIZE, NUM_KV_HEADS,
+                                 decode_kernel_for(torch.device("cpu"), dtype))
     metadata = s.build(torch_backend)
     scale = HEAD_DIM**-0.5
 

@@ -19,6 +19,7 @@ from engine.attention.selector import select_attention_backend
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import paged_decode
 from engine.kernels.elementwise import rows_of_contiguous_heads
+from engine.platform.cpu import native_bf16_matmul
 
 
 @dataclass(frozen=True)
@@ -346,3 +347,18 @@ def test_soft_capped_scores_match_the_reference(case: Case, impl: str, window: i
     got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
                           inputs.v_cache.clone(), metadata, scale, window, 2.0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_torch_backend_picks_its_decode_kernel_from_device_and_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOOM_CPP_DECODE", "0")
+
+    def decode_kernel(device: str, dtype: torch.dtype) -> str:
+        backend = select_attention_backend(torch.device(device), dtype, 9, 3, 64, 16)
+        assert type(backend) is TorchBackend
+        return backend.decode_kernel
+
+    assert decode_kernel("cpu", torch.float32) == "matmul"
+    assert decode_kernel("cpu", torch.float16) == "sdpa"  # no native fp16 GEMMs here
+    assert decode_kernel("cpu", torch.bfloat16) == ("matmul" if native_bf16_matmul() else "sdpa")

@@ -12,7 +12,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuBackend
-from engine.attention.torch_backend import TorchBackend
+from engine.attention.torch_backend import TorchBackend, decode_kernel_for
 from engine.attention.triton_backend import TritonBackend
 from engine.kernels.build import kernel_enabled
 
@@ -27,5 +27,5 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads
     if kernel_enabled("LOOM_CPP_DECODE") and CpuBackend.supports(device, dtype, num_heads,
                                                            num_kv_heads, head_dim):
         return CpuBackend(block_size, num_kv_heads)
-    return TorchBackend(block_size, num_kv_heads)
+    return TorchBackend(block_size, num_kv_heads, decode_kernel_for(device, dtype))
 

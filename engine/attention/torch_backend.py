@@ -38,9 +38,9 @@ class TorchBackend(AttentionBackend):
     uses_kernel = False  # the C++ kernel serves the plan's kernel rows (see cpu_backend)
 
     def __init__(self, block_size: int, num_kv_heads: int,
-                 decode_kernel: DecodeKernel | None = None) -> None:
-        """`decode_kernel`: how a decode bucket is computed; by default explicit matmuls where
-        the CPU has native GEMMs for the dtype (fp32; bf16 with AVX512-BF16/AMX), else SDPA."""
+                 decode_kernel: DecodeKernel = "matmul") -> None:
+        """`decode_kernel`: how a decode bucket is computed (the selector passes the device's
+        choice, `decode_kernel_for`)."""
         super().__init__(block_size, num_kv_heads)
         self.decode_kernel = decode_kernel
 
@@ -102,18 +102,18 @@ class TorchBackend(AttentionBackend):
         assert plan.decodes is not None and keys is not None and values is not None
         buckets = decode_buckets(plan.decodes, plan.block_size)
         in_place = len(buckets) == 1 and buckets[0].row_range == (0, buckets[0].size)
-        use_matmul = self.decode_uses_matmul(q) or softcap is not None  # SDPA cannot cap
+        use_matmul = self.decode_kernel == "matmul" or softcap is not None  # SDPA cannot cap
         for bucket, start in zip(buckets, head_plan.decode_starts, strict=True):
             decode_bucket(q, out, bucket, keys, values, start, num_kv_heads, scale, in_place,
                           use_matmul, window, softcap)
 
-    def decode_uses_matmul(self, query: torch.Tensor) -> bool:
-        if self.decode_kernel is not None:
-            return self.decode_kernel == "matmul"
-        if query.device.type != "cpu":
-            return False
-        return query.dtype == torch.float32 or (query.dtype == torch.bfloat16
-                                                and native_bf16_matmul())
+
+def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> DecodeKernel:
+    """Explicit matmuls where the CPU has native GEMMs for the dtype (fp32; bf16 with
+    AVX512-BF16/AMX), else SDPA's fused kernel (it converts bf16 tiles itself)."""
+    native = device.type == "cpu" and (dtype == torch.float32 or (
+        dtype == torch.bfloat16 and native_bf16_matmul()))
+    return "matmul" if native else "sdpa"
 
 
 def gather_context(
