@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.gguf_convert import dequantize_tensor, hf_tensor_name, unpermute_if_rotary
 from engine.layers.linear import LinearBase
 from engine.quantization.base import QuantizedLinear
 from engine.quantization.int4 import Int4Linear
@@ -41,8 +42,6 @@ def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
                   skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file but those named in
     `skip` (GGUF names, about to be replaced by their codes)."""
-    from common.gguf_convert import dequantize_tensor
-
     for tensor in tensors:
         if tensor.name in skip:
             continue
@@ -54,7 +53,7 @@ def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[G
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
     codes it will hold: every linear the model declares whose tensors are all 4-bit
     (INT4_TYPES) or all Q8_0, and the output projection (the embedding's codes, if tied)."""
-    by_name = {_hf_name(tensor.name, model.config.model_type): tensor for tensor in tensors}
+    by_name = {hf_tensor_name(tensor.name, model.config.model_type): tensor for tensor in tensors}
     candidates = {name: linear_checkpoint_names(name, module)
                   for name, module in model.named_modules() if isinstance(module, LinearBase)}
     candidates["lm_head"] = ["model.embed_tokens.weight" if model.lm_head is None
@@ -134,12 +133,11 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     """Replaces each linear of `groups` (see `kept_groups`) by a layer holding the file's
     codes (a tied `lm_head`, None until now, included); returns them. Logs the quantized
     types served as float instead."""
-    from common.gguf_convert import unpermute_if_rotary
-
     made: list[QuantizedLinear] = []
+    model_type = config["model_type"]
     for module_name, members in groups.items():
         is_q8 = members[0].tensor_type.name == "Q8_0"
-        codes = [[unpermute_if_rotary(_hf_name(member.name, config["model_type"]), array, config)
+        codes = [[unpermute_if_rotary(hf_tensor_name(member.name, model_type), array, config)
                   for array in (q8_0_codes(member) if is_q8 else q4_codes(member))]
                  for member in members]
         arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
@@ -154,12 +152,6 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     kept = {member.name for members in groups.values() for member in members}
     _log_kept(tensors, kept, len(made))
     return made
-
-
-def _hf_name(gguf_name: str, model_type: str) -> str:
-    from common.gguf_convert import hf_tensor_name
-
-    return hf_tensor_name(gguf_name, model_type)
 
 
 def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int) -> None:
