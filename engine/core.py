@@ -114,6 +114,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = self._make_runner(num_blocks, self.recorder)
+        logger.info("%s", self.runner.kernels.describe())  # once: not for the graph probe
         self.sampler = Sampler(self.device, config.seed)
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: dict[str, AwaitingGrammar] = {}

@@ -14,6 +14,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.custom_op import CustomOp
 from engine.quantization.base import QuantizedLinear
 from engine.weights.loader import load_model
+from tests.engine_helpers import make_core
 from tests.model_fixtures import build_tiny_llama_dir
 
 CPU = torch.device("cpu")
@@ -35,7 +36,7 @@ def test_eager_on_the_cpu_runs_our_kernels_and_says_so_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="loom.engine"):
-        runner = runner_for(build_tiny_llama_dir(tmp_path))
+        runner = make_core(build_tiny_llama_dir(tmp_path)).runner
     lines = [record.getMessage() for record in caplog.records
              if record.getMessage().startswith("kernels:")]
     assert lines == ["kernels: attention cpu-c++, elementwise C++, forward eager"]

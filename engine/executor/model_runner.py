@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -15,8 +14,6 @@ from engine.executor.cuda_graphs import DecodeGraphs, Recorder
 from engine.executor.kernel_choice import KernelChoice
 from engine.platform.host_copy import int_tensor
 from engine.scheduler import ScheduledChunk
-
-logger = logging.getLogger("loom.engine")
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -101,7 +98,6 @@ class ModelRunner:
         self.model = model
         self.kernels = KernelChoice.choose(model, device, dtype, block_size, compiled)
         self.kernels.bind(model)
-        logger.info("%s", self.kernels.describe())
         self.attention = self.kernels.attention
         self.tensor_parallel = tensor_parallel
         self.block_size = block_size
