@@ -82,7 +82,7 @@ class DecodeBatch:
     lens: torch.Tensor  # [n] int64
     block_tables: torch.Tensor  # [n, max_blocks] int64 (rows may be strided)
     max_block: int  # the largest block id in their tables
-    buckets: list[DecodeBucket] | None = None  # torch path, planned on first use
+    buckets: list[DecodeBucket] | None = None  # torch path, planned with the step (decode_buckets)
 
     @property
     def size(self) -> int:
