@@ -90,9 +90,9 @@ def decode_ms(model: torch.nn.Module, dtype: torch.dtype, batch: int, context: i
         inputs = StepInputs(
             token_ids=[rng.randrange(32000) for _ in range(batch)],
             positions=[context] * batch,
-            slot_mapping=[table[context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE
-                          for table in tables],
-            query_lens=[1] * batch, seq_lens=[context + 1] * batch, block_tables=tables,
+            slot_mappings=[[table[context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE
+                            for table in tables]],
+            query_lens=[1] * batch, seq_lens=[context + 1] * batch, block_tables=[tables],
             sample_rows=list(range(batch)))
         started = time.perf_counter()
         runner.run(inputs)

@@ -30,6 +30,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first, FCFS within a level)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # One block table for all layers even where sliding-window and global layers mix: every
+    # layer keeps every block (engine.kv_cache_groups)
+    disable_hybrid_kv_cache_manager: bool = False
     seed: int = 0
     compile: bool = False  # torch.compile the forward (engine.executor.compiled_forward)
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs, and never compile
@@ -101,6 +104,7 @@ class EngineConfig:
             scheduling_policy=args.scheduling_policy,
             enable_chunked_prefill=not args.no_enable_chunked_prefill,
             enable_prefix_caching=not args.no_enable_prefix_caching,
+            disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
             seed=args.seed,
             compile=args.compile,
             enforce_eager=args.enforce_eager,
@@ -136,6 +140,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--no-enable-chunked-prefill", action="store_true")
     engine.add_argument("--no-enable-prefix-caching", action="store_true")
+    engine.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="sliding-window layers keep every block of a request, as global "
+                             "layers do, instead of returning those behind the window")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--compile", action="store_true",
                         help="torch.compile the forward (inductor); the first start compiles "

@@ -1,6 +1,9 @@
 """KV cache block manager: fixed-size blocks, per-request block tables, prefix caching.
 
-Pure Python (no torch): it hands out block ids; the model runner owns the tensors.
+Pure Python (no torch): it hands out block ids; the model runner owns the tensors. A request
+holds one block table per KV cache group (engine.kv_cache_groups); all groups draw from one
+pool. A sliding-window group's table gives the blocks behind its window back as soon as no
+query can read them, leaving the null block (never handed out) in their place.
 
 Every full block is identified by a hash of (its parent block's hash, its token ids), so a
 new request whose prompt starts with cached blocks reuses them and prefills only the rest.
@@ -16,13 +19,11 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from engine.kv_cache_groups import KVCacheGroup, blocks_for
 from engine.request import Request
 
 ROOT_HASH = b""
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+FULL_ATTENTION = (KVCacheGroup((), None),)
 
 
 def hash_block(parent_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
@@ -38,6 +39,16 @@ class Block:
     block_hash: bytes | None = None  # set once the block is full, computed and cached
     parent_hash: bytes = ROOT_HASH
     token_ids: tuple[int, ...] = ()
+    group: int = 0  # the KV cache group whose table holds it
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """The leading blocks of a request's tokens found in the cache, as each group's table
+    starts (the null block where a sliding group no longer needs one)."""
+
+    num_blocks: int
+    tables: list[list[int]]
 
 
 @dataclass(slots=True)
@@ -51,10 +62,11 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    groups: tuple[KVCacheGroup, ...] = FULL_ATTENTION
     blocks: list[Block] = field(init=False)
     free_queue: OrderedDict[int, None] = field(init=False)  # ref 0; the front is evicted first
-    cached: dict[bytes, int] = field(init=False)  # block hash -> block id
-    inflight: dict[bytes, int] = field(init=False)  # hashes being computed -> block id
+    cached: list[dict[bytes, int]] = field(init=False)  # per group: block hash -> block id
+    inflight: list[dict[bytes, int]] = field(init=False)  # per group: hashes being computed
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_integrity_violations: int = 0
 
@@ -63,8 +75,14 @@ class BlockManager:
             raise ValueError("the KV cache needs at least one block")
         self.blocks = [Block(block_id) for block_id in range(self.num_blocks)]
         self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
-        self.cached = {}
-        self.inflight = {}
+        self.cached = [{} for _ in self.groups]
+        self.inflight = [{} for _ in self.groups]
+
+    @property
+    def null_block(self) -> int:
+        """Stands in a table for a block behind a window: the runner's one extra block,
+        read only under the window's mask."""
+        return self.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,6 +92,11 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of num_tokens holds at once, over all its tables."""
+        return sum(group.max_live_blocks(num_tokens, max_chunk, self.block_size)
+                   for group in self.groups)
 
     # --- hashing ---------------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[bytes]:
@@ -86,19 +109,37 @@ class BlockManager:
             hashes.append(hash_block(parent, tuple(request.token_ids[start:start + size])))
         return hashes
 
-    def cached_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached chain the request's tokens start with, leaving at
-        least its last token to compute (its logits are needed)."""
+    def cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest prefix of whole blocks every group has cached (a sliding group only
+        its window before the prefix's end), leaving at least the request's last token to
+        compute (its logits are needed)."""
+        no_hit = CachedPrefix(0, [[] for _ in self.groups])
         if not self.enable_prefix_caching:
-            return []
-        hit = []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        for block_hash in self.block_hashes(request)[:max_blocks]:
-            block_id = self.cached.get(block_hash)
-            if block_id is None:
-                break
-            hit.append(block_id)
-        return hit
+            return no_hit
+        hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        count = len(hashes)
+        for cached, group in zip(self.cached, self.groups, strict=True):
+            if group.window is None:
+                count = next((i for i, h in enumerate(hashes[:count]) if h not in cached), count)
+        while count > 0 and not self._windows_cached(hashes, count):
+            count -= 1
+        if count == 0:
+            return no_hit
+        return CachedPrefix(count, [self._hit_table(g, hashes, count)
+                                    for g in range(len(self.groups))])
+
+    def _windows_cached(self, hashes: list[bytes], count: int) -> bool:
+        for cached, group in zip(self.cached, self.groups, strict=True):
+            first = group.first_live_block(count * self.block_size, self.block_size)
+            if group.window is not None and any(
+                    h not in cached for h in reversed(hashes[first:count])):
+                return False
+        return True
+
+    def _hit_table(self, group: int, hashes: list[bytes], count: int) -> list[int]:
+        first = self.groups[group].first_live_block(count * self.block_size, self.block_size)
+        cached = self.cached[group]
+        return [self.null_block] * first + [cached[h] for h in hashes[first:count]]
 
     def next_block_inflight(self, request: Request, num_hit_blocks: int) -> bool:
         """Is the block after the request's cached prefix being computed by a running request?
@@ -108,114 +149,151 @@ class BlockManager:
         hashes = self.block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         return num_hit_blocks < min(len(hashes), max_blocks) and \
-            hashes[num_hit_blocks] in self.inflight
+            hashes[num_hit_blocks] in self.inflight[0]
 
     # --- allocation ------------------------------------------------------------------------
-    def num_missing_blocks(self, request: Request, num_tokens: int) -> int:
-        """Blocks the request still needs so its table covers its first num_tokens tokens."""
-        return max(0, blocks_for(num_tokens, self.block_size) - len(request.block_table))
-
-    def can_allocate(self, request: Request, num_tokens: int, prefix: list[int] = ()) -> bool:
+    def can_allocate(self, request: Request, num_tokens: int,
+                     prefix: CachedPrefix | None = None) -> bool:
         """Can the request (after taking `prefix`, its cached blocks) cover num_tokens?"""
-        reused_free = sum(1 for block_id in prefix if self.blocks[block_id].ref_count == 0)
-        missing = max(0, blocks_for(num_tokens, self.block_size)
-                      - len(request.block_table) - len(prefix))
+        tables = prefix.tables if prefix is not None else self._tables(request)
+        reused_free = 0 if prefix is None else sum(
+            1 for table in prefix.tables for block_id in table
+            if block_id != self.null_block and self.blocks[block_id].ref_count == 0)
+        needed = blocks_for(num_tokens, self.block_size)
+        missing = sum(max(0, needed - len(table)) for table in tables)
         return missing + reused_free <= self.num_free_blocks
 
-    def take_prefix(self, request: Request, prefix: list[int]) -> None:
+    def _tables(self, request: Request) -> list[list[int]]:
+        if not request.block_tables:
+            request.block_tables = [[] for _ in self.groups]
+        return request.block_tables
+
+    def take_prefix(self, request: Request, prefix: CachedPrefix) -> None:
         """Admission: the request starts from its cached prefix blocks."""
-        assert not request.block_table, "only a request without blocks takes a prefix"
-        for block_id in prefix:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_queue[block_id]
-            block.ref_count += 1
-        request.block_table = list(prefix)
-        request.num_computed_tokens = len(prefix) * self.block_size
+        assert not any(request.block_tables), "only a request without blocks takes a prefix"
+        for table in prefix.tables:
+            for block_id in table:
+                if block_id != self.null_block:
+                    self._take(self.blocks[block_id])
+        request.block_tables = [list(table) for table in prefix.tables]
+        request.num_computed_tokens = prefix.num_blocks * self.block_size
         self.stats.queries += request.num_tokens
         self.stats.hits += request.num_computed_tokens
 
+    def _take(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self.free_queue[block.block_id]
+        block.ref_count += 1
+
     def allocate(self, request: Request, num_tokens: int) -> None:
-        missing = self.num_missing_blocks(request, num_tokens)
-        if missing > self.num_free_blocks:
-            raise RuntimeError(f"{request.request_id}: {missing} blocks needed, "
-                               f"{self.num_free_blocks} free")
+        if not self.can_allocate(request, num_tokens):
+            raise RuntimeError(f"{request.request_id}: too few free blocks for {num_tokens} "
+                               f"tokens ({self.num_free_blocks} free)")
         hashes = self.block_hashes(request) if self.enable_prefix_caching else []
-        for _ in range(missing):
-            block = self._pop_free_block()
-            block.ref_count = 1
-            index = len(request.block_table)
-            request.block_table.append(block.block_id)
-            if index < len(hashes):
-                self.inflight.setdefault(hashes[index], block.block_id)
+        needed = blocks_for(num_tokens, self.block_size)
+        for group, table in enumerate(self._tables(request)):
+            for index in range(len(table), needed):
+                block = self._pop_free_block()
+                block.ref_count, block.group = 1, group
+                table.append(block.block_id)
+                if index < len(hashes):
+                    self.inflight[group].setdefault(hashes[index], block.block_id)
 
     def _pop_free_block(self) -> Block:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its cached contents
-            if self.cached.get(block.block_hash) == block_id:
-                del self.cached[block.block_hash]
+            cached = self.cached[block.group]
+            if cached.get(block.block_hash) == block_id:
+                del cached[block.block_hash]
             block.block_hash = None
             block.token_ids = ()
         return block
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Registers the request's full, computed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+    def commit(self, request: Request) -> None:
+        """After a step advanced the request: its full, computed blocks join the prefix
+        cache, and blocks behind a sliding window go back to the pool."""
+        if self.enable_prefix_caching:
+            for group in range(len(self.groups)):
+                self._cache_computed(request, group)
+        for group, spec in enumerate(self.groups):
+            first = spec.first_live_block(request.num_computed_tokens, self.block_size)
+            table = request.block_tables[group]
+            for index in range(min(first, len(table)) - 1, -1, -1):
+                if table[index] == self.null_block:
+                    break
+                self._release(request, group, index)
+                table[index] = self.null_block
+
+    def _cache_computed(self, request: Request, group: int) -> None:
         hashes = self.block_hashes(request)
+        table = request.block_tables[group]
         num_full = min(request.num_computed_tokens // self.block_size, len(hashes))
         for index in range(num_full - 1, -1, -1):  # walk back to the last cached block
-            block = self.blocks[request.block_table[index]]
+            if table[index] == self.null_block:
+                break
+            block = self.blocks[table[index]]
             if block.block_hash is not None:
                 break
             start = index * self.block_size
             block.block_hash = hashes[index]
             block.parent_hash = hashes[index - 1] if index else ROOT_HASH
             block.token_ids = tuple(request.token_ids[start:start + self.block_size])
-            self.cached.setdefault(block.block_hash, block.block_id)
-            if self.inflight.get(block.block_hash) == block.block_id:
-                del self.inflight[block.block_hash]
+            self.cached[group].setdefault(block.block_hash, block.block_id)
+            if self.inflight[group].get(block.block_hash) == block.block_id:
+                del self.inflight[group][block.block_hash]
 
     def free(self, request: Request) -> None:
         # Tail first: the end of a chain is evicted before its parents.
-        hashes = request.block_hashes
-        for index in range(len(request.block_table) - 1, -1, -1):
-            block = self.blocks[request.block_table[index]]
-            block.ref_count -= 1
-            if index < len(hashes) and self.inflight.get(hashes[index]) == block.block_id:
-                del self.inflight[hashes[index]]
-            if block.ref_count == 0:
-                self.free_queue[block.block_id] = None
-                if block.block_hash is None:  # nothing worth keeping: reuse it first
-                    self.free_queue.move_to_end(block.block_id, last=False)
-        request.block_table = []
+        for group, table in enumerate(request.block_tables):
+            for index in range(len(table) - 1, -1, -1):
+                if table[index] != self.null_block:
+                    self._release(request, group, index)
+        request.block_tables = []
+
+    def _release(self, request: Request, group: int, index: int) -> None:
+        block = self.blocks[request.block_tables[group][index]]
+        block.ref_count -= 1
+        hashes, inflight = request.block_hashes, self.inflight[group]
+        if index < len(hashes) and inflight.get(hashes[index]) == block.block_id:
+            del inflight[hashes[index]]
+        if block.ref_count == 0:
+            self.free_queue[block.block_id] = None
+            if block.block_hash is None:  # nothing worth keeping: reuse it first
+                self.free_queue.move_to_end(block.block_id, last=False)
 
     # --- integrity -------------------------------------------------------------------------
     def check_integrity(self, live_requests: list[Request]) -> list[str]:
         """Each block is free (maybe cached) or owned by exactly ref_count live-request table
-        entries; every cached hash names a block holding exactly those tokens."""
+        entries of its group; every cached hash names a block holding exactly those tokens."""
         problems: list[str] = []
         owners: dict[int, int] = {}
         for request in live_requests:
             hashes = request.block_hashes
-            for index, block_id in enumerate(request.block_table):
-                owners[block_id] = owners.get(block_id, 0) + 1
-                block = self.blocks[block_id]
-                if block.block_hash is not None and (index >= len(hashes)
-                                                     or hashes[index] != block.block_hash):
-                    problems.append(f"block {block_id} of {request.request_id} holds other "
-                                    f"tokens than its table position {index} expects")
+            for group, table in enumerate(request.block_tables):
+                for index, block_id in enumerate(table):
+                    if block_id == self.null_block:
+                        continue
+                    owners[block_id] = owners.get(block_id, 0) + 1
+                    block = self.blocks[block_id]
+                    if block.group != group:
+                        problems.append(f"block {block_id} of group {block.group} sits in a "
+                                        f"table of group {group} ({request.request_id})")
+                    if block.block_hash is not None and (index >= len(hashes)
+                                                         or hashes[index] != block.block_hash):
+                        problems.append(f"block {block_id} of {request.request_id} holds "
+                                        f"other tokens than its table position {index} expects")
         for block in self.blocks:
             in_free_queue = block.block_id in self.free_queue
             owned = owners.get(block.block_id, 0)
             if in_free_queue == (block.ref_count > 0) or owned != block.ref_count:
                 problems.append(f"block {block.block_id}: ref count {block.ref_count}, "
                                 f"{owned} live owners, in free queue: {in_free_queue}")
-        for block_hash, block_id in self.cached.items():
-            block = self.blocks[block_id]
-            if block.block_hash != block_hash or hash_block(
-                    block.parent_hash, block.token_ids) != block_hash:
-                problems.append(f"cached hash of block {block_id} does not match its tokens")
+        for group, cached in enumerate(self.cached):
+            for block_hash, block_id in cached.items():
+                block = self.blocks[block_id]
+                if block.group != group or block.block_hash != block_hash or hash_block(
+                        block.parent_hash, block.token_ids) != block_hash:
+                    problems.append(f"cached hash of block {block_id} does not match its tokens")
         self.num_integrity_violations += len(problems)
         return problems

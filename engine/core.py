@@ -35,6 +35,7 @@ from engine.distributed.tensor_parallel import (
 )
 from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
+from engine.kv_cache_groups import KVCacheLayout
 from engine.platform.cpu import choose_dtype
 from engine.quantization.registry import quantization_summary
 from engine.request import Request
@@ -105,12 +106,14 @@ class EngineCore:
         limit = model_config.max_exact_len
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.kv_layout = KVCacheLayout.for_model(model_config,
+                                                 not config.disable_hybrid_kv_cache_manager)
         self.recorder = self._default_recorder() if recorder == "auto" else recorder
         num_blocks = self._num_kv_blocks()
         if self.workers is not None:
             broadcast_int(num_blocks)  # every rank holds as many blocks, for its heads
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.kv_layout.groups)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = self._make_runner(num_blocks, self.recorder)
@@ -122,16 +125,23 @@ class EngineCore:
         self.totals = EngineTotals()
         self.record_traces = record_traces
         self.traces: list[StepTrace] = []
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s) = %d tokens at most in flight;"
-                    " max model len %d", num_blocks, config.block_size,
-                    num_blocks * self._bytes_per_block / 1024**3, self.dtype,
-                    num_blocks * config.block_size, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s; %s) = %d tokens at most "
+                    "in flight in global layers; max model len %d", num_blocks,
+                    config.block_size, num_blocks * self._bytes_per_block / 1024**3, self.dtype,
+                    self.kv_layout.describe(), self._max_tokens_in_flight(num_blocks),
+                    self.max_model_len)
 
     @property
     def _bytes_per_block(self) -> int:
         model_config = self.model.config
-        return kv_bytes_per_block(model_config.num_hidden_layers, self.model.num_local_kv_heads,
+        return kv_bytes_per_block(self.kv_layout.group_size, self.model.num_local_kv_heads,
                                   model_config.head_dim, self.config.block_size, self.dtype)
+
+    def _max_tokens_in_flight(self, num_blocks: int) -> int:
+        """Tokens the cache holds when it holds long requests only: blocks shared among the
+        global layers' groups (sliding ones hold a window each, left out)."""
+        groups = self.kv_layout.windows
+        return num_blocks * self.config.block_size // (groups.count(None) or len(groups))
 
     def _start_tensor_parallel(self, log_level: str) -> WorkerRanks | None:
         config = self.config
@@ -173,7 +183,7 @@ class EngineCore:
                            self.dtype, compiled=self.config.compiled, recorder=recorder,
                            max_model_len=self.max_model_len,
                            max_num_seqs=self.config.max_num_seqs,
-                           tensor_parallel=self.workers is not None)
+                           tensor_parallel=self.workers is not None, layout=self.kv_layout)
 
     def _graph_memory(self) -> int:
         """Bytes the decode graphs keep on the GPU: measured by recording them once over a

@@ -32,7 +32,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV cache group
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
     finish_reason: str | None = None
     num_preemptions: int = 0

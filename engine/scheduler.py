@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from common.protocol import FinishReason
-from engine.block_manager import BlockManager, blocks_for
+from engine.block_manager import BlockManager, CachedPrefix
 from engine.request import Request, RequestStatus
 
 
@@ -110,7 +110,7 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({request.sampling.max_tokens}) = {total} exceeds the maximum model length "
                 f"of {self.max_model_len} tokens")
-        needed = blocks_for(total, self.block_manager.block_size)
+        needed = self.block_manager.max_blocks_needed(total, self.config.max_num_batched_tokens)
         if needed > self.block_manager.num_blocks:
             raise RequestRefused(
                 f"request needs {needed} KV blocks ({total} tokens) but the whole cache holds "
@@ -227,12 +227,13 @@ class Scheduler:
         for request in self.waiting:
             trace.waited[request.request_id] = reason
 
-    def _why_not_admit(self, request: Request, prefix: list[int], budget: int) -> str | None:
+    def _why_not_admit(self, request: Request, prefix: CachedPrefix,
+                       budget: int) -> str | None:
         if len(self.running) >= self.config.max_num_seqs:
             return WaitReason.NO_SEAT
-        if self.block_manager.next_block_inflight(request, len(prefix)):
+        if self.block_manager.next_block_inflight(request, prefix.num_blocks):
             return WaitReason.PREFIX_PENDING
-        cached_tokens = len(prefix) * self.block_manager.block_size
+        cached_tokens = prefix.num_blocks * self.block_manager.block_size
         num_tokens = self._fit(request.num_tokens - cached_tokens, budget)
         if num_tokens == 0:
             return WaitReason.NO_BUDGET
@@ -240,7 +241,7 @@ class Scheduler:
             return WaitReason.NO_BLOCKS
         return None
 
-    def _admit(self, request: Request, prefix: list[int]) -> None:
+    def _admit(self, request: Request, prefix: CachedPrefix) -> None:
         self.waiting.pop(0)
         self.block_manager.take_prefix(request, prefix)
         if request.num_preemptions == 0:
@@ -276,7 +277,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_computed_blocks(request)
+            self.block_manager.commit(request)
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.kv_cache_groups import KVCacheLayout
+from engine.models.config import ModelConfig
 from engine.models.registry import ARCHITECTURES
 from engine.weights.loader import load_model
 from tests.engine_helpers import (
@@ -79,9 +81,11 @@ def test_mixed_chunked_preempted_cached_batch_equals_transformers(case: str, com
     model_type, overrides = CASES[case]
     hf_model = build_tiny_hf_model(model_type, **overrides)
     hf_model.save_pretrained(tmp_path / case)
-    # 12 blocks of 16 tokens, 32 tokens a step: long prompts are chunked, preemption certain.
-    core = make_core(str(tmp_path / case), num_kv_blocks=12, max_num_batched_tokens=32,
-                     compile=compiled)
+    # 12 blocks of 16 tokens per KV cache group, 32 tokens a step: long prompts are chunked,
+    # preemption certain.
+    layout = KVCacheLayout.for_model(ModelConfig.from_hf(hf_model.config.to_dict()))
+    core = make_core(str(tmp_path / case), num_kv_blocks=12 * layout.num_groups,
+                     max_num_batched_tokens=32, compile=compiled)
     shared = prompt_of(36, 99)  # two whole blocks that later prompts find in the cache
     first = greedy_request(shared + prompt_of(5, 1), max_tokens=4)
     run_to_completion(core, [first])

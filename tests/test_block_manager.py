@@ -18,12 +18,12 @@ def admit(manager: BlockManager, request, extra_tokens: int = 0) -> int:
     assert manager.can_allocate(request, request.num_tokens + extra_tokens, prefix)
     manager.take_prefix(request, prefix)
     manager.allocate(request, request.num_tokens + extra_tokens)
-    return len(prefix) * manager.block_size
+    return prefix.num_blocks * manager.block_size
 
 
 def compute_all(manager: BlockManager, request) -> None:
     request.num_computed_tokens = request.num_tokens
-    manager.cache_computed_blocks(request)
+    manager.commit(request)
 
 
 def test_blocks_for_rounds_up():
@@ -34,11 +34,11 @@ def test_allocate_extends_the_block_table_only_as_needed():
     manager = BlockManager(num_blocks=8, block_size=BS)
     request = make_request("r", prompt_len=5)
     manager.allocate(request, 5)
-    assert len(request.block_table) == 2
+    assert len(request.block_tables[0]) == 2
     manager.allocate(request, 8)
-    assert len(request.block_table) == 2
+    assert len(request.block_tables[0]) == 2
     manager.allocate(request, 9)
-    assert len(request.block_table) == 3
+    assert len(request.block_tables[0]) == 3
     assert manager.num_free_blocks == 5
     assert abs(manager.usage - 3 / 8) < 1e-9
 
@@ -62,8 +62,8 @@ def test_a_new_request_reuses_the_longest_cached_prefix():
     compute_all(manager, first)
     partial_match = shared("second", [*range(1, 9), 99, 98, 97, 96, 95])
     assert admit(manager, partial_match) == 8
-    assert partial_match.block_table[:2] == first.block_table[:2]
-    assert partial_match.block_table[2] != first.block_table[2]
+    assert partial_match.block_tables[0][:2] == first.block_tables[0][:2]
+    assert partial_match.block_tables[0][2] != first.block_tables[0][2]
     assert manager.stats.hits == 8 and manager.stats.queries == 12 + 13
 
 
@@ -82,10 +82,10 @@ def test_a_partial_last_block_is_never_shared():
     first = shared("first", range(1, 7))  # one full block and a partial one
     admit(manager, first)
     compute_all(manager, first)
-    assert len(manager.cached) == 1
+    assert len(manager.cached[0]) == 1
     longer = shared("longer", range(1, 12))
     assert admit(manager, longer) == 4
-    assert longer.block_table[1] != first.block_table[1]
+    assert longer.block_tables[0][1] != first.block_tables[0][1]
 
 
 def test_reference_counts_under_shared_use():
@@ -95,7 +95,7 @@ def test_reference_counts_under_shared_use():
     compute_all(manager, owners[0])
     for owner in owners[1:]:
         admit(manager, owner)
-    shared_blocks = owners[0].block_table[:2]
+    shared_blocks = owners[0].block_tables[0][:2]
     assert [manager.blocks[b].ref_count for b in shared_blocks] == [3, 3]
     manager.free(owners[0])
     assert [manager.blocks[b].ref_count for b in shared_blocks] == [2, 2]
@@ -114,18 +114,18 @@ def test_freed_blocks_stay_cached_and_are_evicted_in_lru_order_tail_first():
     for request in (older, newer):
         admit(manager, request)
         compute_all(manager, request)
-    o0, o1, o2 = older.block_table
-    n0, n1, n2 = newer.block_table
+    o0, o1, o2 = older.block_tables[0]
+    n0, n1, n2 = newer.block_tables[0]
     manager.free(older)
     manager.free(newer)
     # Unhashed partial blocks go to the front; chains join the back tail first, in LRU order.
     assert list(manager.free_queue) == [n2, o2, o1, o0, n1, n0]
-    assert len(manager.cached) == 4
+    assert len(manager.cached[0]) == 4
     # Four fresh blocks: the two partials, then older's tail, then older's head.
     admit(manager, shared("taker", range(500, 516)))
-    assert sorted(manager.cached.values()) == sorted([n0, n1])
-    assert manager.cached_prefix(shared("newer-again", range(100, 109))) == [n0, n1]
-    assert manager.cached_prefix(shared("older-again", range(1, 10))) == []
+    assert sorted(manager.cached[0].values()) == sorted([n0, n1])
+    assert manager.cached_prefix(shared("newer-again", range(100, 109))).tables == [[n0, n1]]
+    assert manager.cached_prefix(shared("older-again", range(1, 10))).num_blocks == 0
 
 
 def test_eviction_under_pressure_never_touches_a_block_in_use():
@@ -133,10 +133,10 @@ def test_eviction_under_pressure_never_touches_a_block_in_use():
     user = shared("user", range(1, 9))
     admit(manager, user)
     compute_all(manager, user)
-    in_use = set(user.block_table)
+    in_use = set(user.block_tables[0])
     hog = shared("hog", range(200, 216))
     assert admit(manager, hog) == 0
-    assert not in_use & set(hog.block_table)
+    assert not in_use & set(hog.block_tables[0])
     assert not manager.can_allocate(shared("more", range(300, 304)), 4)
     assert manager.check_integrity([user, hog]) == []
 
@@ -159,7 +159,7 @@ def test_prefix_caching_off_shares_nothing():
     admit(manager, first)
     compute_all(manager, first)
     assert admit(manager, shared("second", range(1, 13))) == 0
-    assert manager.cached == {}
+    assert manager.cached == [{}]
 
 
 def test_integrity_check_finds_leaks_double_ownership_and_bad_hashes():
@@ -171,8 +171,8 @@ def test_integrity_check_finds_leaks_double_ownership_and_bad_hashes():
     assert any("1 live owners" not in p and "0 live owners" in p
                for p in manager.check_integrity([a]))  # b's block is held by nobody alive
     a.num_computed_tokens = 4
-    manager.cache_computed_blocks(a)
+    manager.commit(a)
     assert manager.check_integrity([a, b]) == []
-    manager.blocks[a.block_table[0]].token_ids = (9, 9, 9, 9)
+    manager.blocks[a.block_tables[0][0]].token_ids = (9, 9, 9, 9)
     assert any("does not match" in p for p in manager.check_integrity([a, b]))
     assert manager.num_integrity_violations >= 2

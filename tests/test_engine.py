@@ -110,7 +110,7 @@ def test_abort_frees_blocks_within_one_step(tiny_model_dir):
     core.step()
     core.abort_requests([requests[0].request_id, requests[2].request_id])
     assert core.check_integrity() == []
-    live_blocks = sum(len(r.block_table) for r in core.scheduler.running)
+    live_blocks = sum(len(r.block_tables[0]) for r in core.scheduler.running)
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks - live_blocks
     core.abort_requests([r.request_id for r in requests])
     assert not core.has_work

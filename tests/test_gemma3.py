@@ -42,8 +42,15 @@ def gemma_dir(gemma_file: Path) -> str:
     return resolve_model(str(gemma_file))
 
 
-def test_greedy_fp32_equals_transformers_on_twenty_prompts(gemma_file: Path,
-                                                           gemma_dir: str) -> None:
+@pytest.fixture(scope="module")
+def reference(gemma_file: Path) -> torch.nn.Module:
+    """transformers' own Gemma 3 on the file's dequantized weights, in fp32."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(gemma_file.parent), gguf_file=gemma_file.name, dtype=torch.float32).eval()
+
+
+def test_greedy_fp32_equals_transformers_on_twenty_prompts(gemma_dir: str,
+                                                           reference: torch.nn.Module) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gemma_dir)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     core = make_core(gemma_dir, kv_cache_memory=256 * 1024**2)
@@ -52,9 +59,38 @@ def test_greedy_fp32_equals_transformers_on_twenty_prompts(gemma_file: Path,
         512, 512, 512, 512, 512, None]
     batch = [greedy_request(prompt, max_tokens=8) for prompt in prompts]
     outputs = run_to_completion(core, batch)
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(gemma_file.parent), gguf_file=gemma_file.name, dtype=torch.float32).eval()
     assert_equals_transformers_generate(outputs, batch, reference)
+
+
+def test_a_prompt_three_windows_long_keeps_one_window_in_its_sliding_layers(
+        gemma_dir: str, reference: torch.nn.Module) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(gemma_dir)
+    text = " ".join(f"{i}. {PROMPTS[i * 7 % len(PROMPTS)]}" for i in range(300))
+    prompt = tokenizer.encode(text)[:1600]
+    core = make_core(gemma_dir, kv_cache_memory=256 * 1024**2, max_num_batched_tokens=256)
+    layout, block_size = core.kv_layout, core.config.block_size
+    assert layout.windows == (512,) * 5 + (None,)  # 15 sliding layers in threes, 3 global
+    held: list[tuple[bool, list[int]]] = []  # per step: decoding?, live blocks per group
+    step = core.step
+
+    def observed_step():
+        output = step()
+        for request in core.scheduler.running:
+            if request.num_prompt_tokens == len(prompt):
+                held.append((not request.is_prefilling, [
+                    sum(block != core.block_manager.null_block for block in table)
+                    for table in request.block_tables]))
+        return output
+
+    core.step = observed_step
+    batch = [greedy_request(prompt, max_tokens=12), greedy_request(prompt[:40], max_tokens=12)]
+    outputs = run_to_completion(core, batch)
+    assert_equals_transformers_generate(outputs, batch, reference)
+    window_blocks = -(-511 // block_size) + 1  # the query's window, one block when unaligned
+    decoding = [groups for is_decode, groups in held if is_decode]
+    assert decoding and all(max(groups[:5]) <= window_blocks for groups in decoding)
+    assert max(max(groups[:5]) for _, groups in held) <= window_blocks + 256 // block_size
+    assert decoding[-1][5] == -(-(len(prompt) + 11) // block_size)  # global: every block
 
 
 @pytest.mark.e2e

@@ -51,13 +51,15 @@ def test_spans_cover_everything_once() -> None:
 
 
 def test_step_inputs_travel_as_one_tensor() -> None:
-    inputs = StepInputs([5, 6, 7, 8], [3, 0, 1, 2], [35, 16, 17, 18], [1, 3], [4, 3],
-                        [[2], [1, 4]], [0, 3])
+    inputs = StepInputs([5, 6, 7, 8], [3, 0, 1, 2], [[35, 16, 17, 18], [51, 96, 97, 98]],
+                        [1, 3], [4, 3], [[[2], [1, 4]], [[3], [5, 6]]], [0, 3])
     back = StepInputs.unpack(inputs.pack())
-    assert (back.token_ids, back.positions, back.slot_mapping, back.query_lens,
-            back.seq_lens, back.sample_rows) == ([5, 6, 7, 8], [3, 0, 1, 2], [35, 16, 17, 18],
+    assert (back.token_ids, back.positions, back.slot_mappings, back.query_lens,
+            back.seq_lens, back.sample_rows) == ([5, 6, 7, 8], [3, 0, 1, 2],
+                                                 [[35, 16, 17, 18], [51, 96, 97, 98]],
                                                  [1, 3], [4, 3], [0, 3])
-    assert back.block_tables == [[2, 0], [1, 4]]  # padded: never read past the length
+    # Per KV cache group, padded: never read past the length
+    assert back.block_tables == [[[2, 0], [1, 4]], [[3, 0], [5, 6]]]
 
 
 def step_logits(model_dir: str, tensor_parallel_size: int,

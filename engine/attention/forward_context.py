@@ -1,6 +1,7 @@
 """The step's attention metadata and backend, set once around a forward pass.
 
-Every attention layer of a step reads the same metadata. Threading it through each layer's
+Every attention layer of a step reads the metadata of its KV cache group (one per group:
+each group has its own block tables, engine.kv_cache_groups). Threading it through each layer's
 signature would also make it an input of the compiled graph, which it cannot be (it holds
 Python lists and per-step plans), so the model runner sets it here for the length of one
 forward and the attention layer (or its op, when compiled) reads it back.
@@ -8,7 +9,7 @@ forward and the attention layer (or its op, when compiled) reads it back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,17 +21,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ForwardContext:
-    metadata: AttentionMetadata
+    metadata_by_group: tuple[AttentionMetadata, ...]
     backend: AttentionBackend
+
+    def metadata(self, group: int = 0) -> AttentionMetadata:
+        return self.metadata_by_group[group]
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata, backend: AttentionBackend) -> Iterator[None]:
+def forward_context(metadata: AttentionMetadata | Sequence[AttentionMetadata],
+                    backend: AttentionBackend) -> Iterator[None]:
+    """`metadata`: the step's, or one per KV cache group."""
     global _current
-    previous, _current = _current, ForwardContext(metadata, backend)
+    by_group = tuple(metadata) if isinstance(metadata, Sequence) else (metadata,)
+    previous, _current = _current, ForwardContext(by_group, backend)
     try:
         yield
     finally:

@@ -41,6 +41,7 @@ def main() -> int:
         receive_step,
     )
     from engine.executor.model_runner import ModelRunner, StepInputs
+    from engine.kv_cache_groups import KVCacheLayout
     from engine.platform.cpu import choose_dtype
     from engine.weights.loader import load_model
 
@@ -52,7 +53,8 @@ def main() -> int:
     model = load_model(config.model, dtype, device, quantization=config.quantization,
                        group_size=config.quantization_group_size)
     num_blocks = broadcast_int()
-    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype)
+    layout = KVCacheLayout.for_model(model.config, not config.disable_hybrid_kv_cache_manager)
+    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, layout=layout)
     logger.info("ready: %d of %d KV heads, %d KV blocks", model.num_local_kv_heads,
                 model.config.num_key_value_heads, num_blocks)
     while (packed := receive_step()) is not None:

@@ -123,13 +123,14 @@ class StagedBuffer:
 
 @dataclass(slots=True)
 class DecodeInputs:
-    """A decode step's inputs, padded to the largest bucket, at fixed addresses."""
+    """A decode step's inputs, padded to the largest bucket, at fixed addresses; slot
+    mappings and block tables one per KV cache group (engine.kv_cache_groups)."""
 
     input_ids: StagedBuffer  # [capacity] int64
     positions: StagedBuffer  # [capacity] int64
-    slot_mapping: StagedBuffer  # [capacity] int64
     context_lens: StagedBuffer  # [capacity] int32: tokens each row attends (its seq len)
-    block_tables: StagedBuffer  # [capacity, max blocks per sequence] int64
+    slot_mappings: list[StagedBuffer]  # per group: [capacity] int64
+    block_tables: list[StagedBuffer]  # per group: [capacity, max blocks per sequence] int64
     rows: torch.Tensor  # [capacity] int32: row i reads block-table row i (constant)
     padding_block: int  # the KV block no request owns
     block_size: int
@@ -137,24 +138,30 @@ class DecodeInputs:
 
     @classmethod
     def allocate(cls, capacity: int, width: int, padding_block: int, block_size: int,
-                 device: torch.device) -> DecodeInputs:
+                 device: torch.device, num_groups: int = 1) -> DecodeInputs:
         inputs = cls(
-            *(StagedBuffer.allocate((capacity,), torch.int64, device) for _ in range(3)),
+            *(StagedBuffer.allocate((capacity,), torch.int64, device) for _ in range(2)),
             StagedBuffer.allocate((capacity,), torch.int32, device),
-            StagedBuffer.allocate((capacity, width), torch.int64, device),
+            [StagedBuffer.allocate((capacity,), torch.int64, device) for _ in range(num_groups)],
+            [StagedBuffer.allocate((capacity, width), torch.int64, device)
+             for _ in range(num_groups)],
             torch.arange(capacity, dtype=torch.int32, device=device),
             padding_block,
             block_size,
         )
-        inputs.stage([], [], [], [], [], capacity)  # recording runs on padding rows only
-        return inputs
+        inputs.stage([], [], [[]] * num_groups, [], [[]] * num_groups, capacity)
+        return inputs  # recording runs on padding rows only
 
     @property
     def capacity(self) -> int:
         return self.rows.numel()
 
-    def stage(self, token_ids: list[int], positions: list[int], slots: list[int],
-              seq_lens: list[int], tables: list[list[int]], size: int) -> None:
+    @property
+    def width(self) -> int:
+        return self.block_tables[0].host.shape[1]
+
+    def stage(self, token_ids: list[int], positions: list[int], slot_mappings: list[list[int]],
+              seq_lens: list[int], tables: list[list[list[int]]], size: int) -> None:
         """The first `size` rows: the step's decodes, then padding rows, which decode token 0
         at position 0 of the padding block. (numpy views: list assignment there is several
         times cheaper than a torch.tensor per list.)"""
@@ -163,33 +170,37 @@ class DecodeInputs:
             self.uploaded.synchronize()
         n = len(token_ids)
         pad = self.padding_block
-        for buffer, values, filler in ((self.input_ids, token_ids, 0),
-                                       (self.positions, positions, 0),
-                                       (self.slot_mapping, slots, pad * self.block_size),
-                                       (self.context_lens, seq_lens, 1)):
+        for buffer, values, filler in (
+                (self.input_ids, token_ids, 0), (self.positions, positions, 0),
+                (self.context_lens, seq_lens, 1),
+                *((buffer, slots, pad * self.block_size)
+                  for buffer, slots in zip(self.slot_mappings, slot_mappings, strict=True))):
             host = buffer.host.numpy()
             host[:n] = values
             host[n:size] = filler
             buffer.upload(size)
-        host_tables = self.block_tables.host.numpy()
-        for row, table in enumerate(tables):  # ragged: one slice assignment per row
-            host_tables[row, :len(table)] = table
-        host_tables[n:size, 0] = pad  # a padding row reads its one token from there
-        self.block_tables.upload(size, max(map(len, tables), default=1))
+        for buffer, group_tables in zip(self.block_tables, tables, strict=True):
+            host_tables = buffer.host.numpy()
+            for row, table in enumerate(group_tables):  # ragged: one slice assignment per row
+                host_tables[row, :len(table)] = table
+            host_tables[n:size, 0] = pad  # a padding row reads its one token from there
+            buffer.upload(size, max(map(len, group_tables), default=1))
         if self.rows.is_cuda:
             self.uploaded = torch.cuda.Event()
             self.uploaded.record()
 
-    def metadata(self, size: int) -> AttentionMetadata:
-        """What attention reads inside a graph of `size` rows: views of the buffers only."""
-        return AttentionMetadata(
+    def metadata(self, size: int) -> list[AttentionMetadata]:
+        """What attention reads inside a graph of `size` rows, per group: views of the
+        buffers only."""
+        rows = QueryRows(self.rows[:size], self.context_lens.device[:size])
+        return [AttentionMetadata(
             query_start_loc=list(range(size + 1)),
             seq_lens=[],  # per step, so never read: the Triton backend reads no list
-            block_tables=self.block_tables.device[:size],
-            slot_mapping=self.slot_mapping.device[:size],
-            triton_rows=QueryRows(self.rows[:size], self.context_lens.device[:size]),
+            block_tables=tables.device[:size],
+            slot_mapping=slots.device[:size],
+            triton_rows=rows,
             static=True,
-        )
+        ) for tables, slots in zip(self.block_tables, self.slot_mappings, strict=True)]
 
 
 class DecodeGraphs:
@@ -197,14 +208,14 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, kv_caches: KVCaches, block_size: int,
                  max_model_len: int, max_num_seqs: int, padding_block: int,
-                 device: torch.device, recorder: Recorder) -> None:
+                 device: torch.device, recorder: Recorder, num_groups: int = 1) -> None:
         self.forward = forward
         self.kv_caches = kv_caches
         # Recorded steps read only the buffers' views, which the Triton backend alone takes.
         self.attention = TritonBackend(block_size, kv_caches[0][0].shape[1])
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.inputs = DecodeInputs.allocate(self.sizes[-1], blocks_for(max_model_len, block_size),
-                                            padding_block, block_size, device)
+                                            padding_block, block_size, device, num_groups)
         started = time.perf_counter()
         self.graphs: dict[int, Recorded] = {}
         with torch.inference_mode():
@@ -214,7 +225,7 @@ class DecodeGraphs:
                     time.perf_counter() - started)
 
     def serves(self, batch: int, table_width: int) -> bool:
-        return batch <= self.sizes[-1] and table_width <= self.inputs.block_tables.host.shape[1]
+        return batch <= self.sizes[-1] and table_width <= self.inputs.width
 
     def _step(self, size: int) -> Callable[[], torch.Tensor]:
         """The decode step of `size` rows, its metadata and input views made once, as a
@@ -229,12 +240,12 @@ class DecodeGraphs:
 
         return step
 
-    def run(self, token_ids: list[int], positions: list[int], slots: list[int],
-            seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], slot_mappings: list[list[int]],
+            seq_lens: list[int], tables: list[list[list[int]]]) -> torch.Tensor:
         """Hidden states [len(token_ids), hidden] of one decode step (a view of the graph's
         output: read it before the next replay)."""
         size = bucket_for(self.sizes, len(token_ids))
-        self.inputs.stage(token_ids, positions, slots, seq_lens, tables, size)
+        self.inputs.stage(token_ids, positions, slot_mappings, seq_lens, tables, size)
         recorded = self.graphs[size]
         recorded.replay()
         return recorded.output[:len(token_ids)]

@@ -12,6 +12,8 @@ from engine.distributed.tensor_parallel import broadcast_step
 from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.executor.cuda_graphs import DecodeGraphs, Recorder
 from engine.executor.kernel_choice import KernelChoice
+from engine.kv_cache_groups import KVCacheLayout
+from engine.layers.attention import PagedAttention
 from engine.platform.host_copy import int_tensor
 from engine.scheduler import ScheduledChunk
 
@@ -24,33 +26,37 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
 
 @dataclass(slots=True)
 class StepInputs:
-    """The step's flattened batch as Python lists: decodes first, then prefill chunks."""
+    """The step's flattened batch as Python lists: decodes first, then prefill chunks. Slot
+    mappings and block tables come one per KV cache group (engine.kv_cache_groups)."""
 
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
+    slot_mappings: list[list[int]] = field(default_factory=list)  # [group][token]
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    block_tables: list[list[list[int]]] = field(default_factory=list)  # [group][request]
     sample_rows: list[int] = field(default_factory=list)  # the rows whose logits are sampled
     sampling_chunks: list[ScheduledChunk] = field(default_factory=list)
 
     @classmethod
-    def gather(cls, chunks: list[ScheduledChunk], block_size: int) -> StepInputs:
+    def gather(cls, chunks: list[ScheduledChunk], block_size: int,
+               num_groups: int = 1) -> StepInputs:
         # Decodes first, then prefill chunks: attention can treat the two groups separately.
-        inputs = cls()
+        inputs = cls(slot_mappings=[[] for _ in range(num_groups)],
+                     block_tables=[[] for _ in range(num_groups)])
         for chunk in sorted(chunks, key=lambda chunk: chunk.num_tokens > 1):
             request = chunk.request
             start = request.num_computed_tokens
             end = start + chunk.num_tokens
             inputs.token_ids.extend(request.token_ids[start:end])
             inputs.positions.extend(range(start, end))
-            table = request.block_table
-            inputs.slot_mapping.extend(table[p // block_size] * block_size + p % block_size
-                                       for p in range(start, end))
+            for table, slots, tables in zip(request.block_tables, inputs.slot_mappings,
+                                            inputs.block_tables, strict=True):
+                slots.extend(table[p // block_size] * block_size + p % block_size
+                             for p in range(start, end))
+                tables.append(table)
             inputs.query_lens.append(chunk.num_tokens)
             inputs.seq_lens.append(end)
-            inputs.block_tables.append(table)
             if chunk.completes_sequence:
                 inputs.sample_rows.append(len(inputs.token_ids) - 1)
                 inputs.sampling_chunks.append(chunk)
@@ -62,11 +68,13 @@ class StepInputs:
 
     def pack(self) -> torch.Tensor:
         """One int64 tensor, to broadcast to the other tensor-parallel ranks."""
-        width = max(map(len, self.block_tables), default=0)
-        tables = [block for table in self.block_tables
+        width = max((len(table) for tables in self.block_tables for table in tables), default=0)
+        tables = [block for group in self.block_tables for table in group
                   for block in (*table, *[0] * (width - len(table)))]
-        header = [len(self.token_ids), len(self.query_lens), width, len(self.sample_rows)]
-        return torch.tensor([*header, *self.token_ids, *self.positions, *self.slot_mapping,
+        slots = [slot for group in self.slot_mappings for slot in group]
+        header = [len(self.token_ids), len(self.query_lens), width, len(self.sample_rows),
+                  len(self.block_tables)]
+        return torch.tensor([*header, *self.token_ids, *self.positions, *slots,
                              *self.query_lens, *self.seq_lens, *tables, *self.sample_rows],
                             dtype=torch.int64)
 
@@ -75,40 +83,48 @@ class StepInputs:
         """`pack`'s inverse (the sampling chunks stay with rank 0). A block table comes back
         padded with block 0, which attention never reads past the sequence's length."""
         values = packed.tolist()
-        tokens, requests, width, samples = values[:4]
-        cuts = itertools.accumulate([4, tokens, tokens, tokens, requests, requests,
-                                     requests * width, samples])
+        tokens, requests, width, samples, groups = values[:5]
+        cuts = itertools.accumulate([5, tokens, tokens, groups * tokens, requests, requests,
+                                     groups * requests * width, samples])
         parts = [values[start:end] for start, end in itertools.pairwise(cuts)]
         token_ids, positions, slots, query_lens, seq_lens, tables, sample_rows = parts
-        return cls(token_ids, positions, slots, query_lens, seq_lens,
-                   [tables[i * width:(i + 1) * width] for i in range(requests)], sample_rows)
+        rows = [tables[i * width:(i + 1) * width] for i in range(groups * requests)]
+        return cls(token_ids, positions,
+                   [slots[g * tokens:(g + 1) * tokens] for g in range(groups)],
+                   query_lens, seq_lens,
+                   [rows[g * requests:(g + 1) * requests] for g in range(groups)], sample_rows)
 
 
 class ModelRunner:
-    """Runs steps over the paged KV cache. With a graph `recorder` (CUDA graphs, see
-    engine.executor.cuda_graphs) the cache holds one more block than the scheduler's, the padding
-    block of recorded decode batches, and decode steps replay recorded graphs."""
+    """Runs steps over the paged KV cache. The cache holds one block more than the
+    scheduler's: the null block standing behind sliding windows in block tables, which
+    recorded decode graphs (engine.executor.cuda_graphs, with a graph `recorder`) also pad
+    their batches with."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, compiled: bool = False,
                  recorder: Recorder | None = None, max_model_len: int = 0,
-                 max_num_seqs: int = 0, tensor_parallel: bool = False) -> None:
+                 max_num_seqs: int = 0, tensor_parallel: bool = False,
+                 layout: KVCacheLayout | None = None) -> None:
         """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
-        others before running it (engine.distributed.tensor_parallel)."""
+        others before running it (engine.distributed.tensor_parallel). `layout`: the layers'
+        KV cache groups (default: one)."""
         self.model = model
+        self.layout = layout or KVCacheLayout.single(model.num_layers)
+        assign_kv_groups(model, self.layout)
         self.kernels = KernelChoice.choose(model, device, dtype, block_size, compiled)
         self.kernels.bind(model)
         self.attention = self.kernels.attention
         self.tensor_parallel = tensor_parallel
         self.block_size = block_size
         self.device = device
-        shape = model.kv_cache_shape(num_blocks + (recorder is not None), block_size)
+        shape = model.kv_cache_shape(num_blocks + 1, block_size)
         # Zeroed, not empty: padded tails of blocks are read (and masked) by attention.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)
-        ]
+        storage = [(torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(self.layout.group_size)]
+        self.kv_caches = [storage[self.layout.place(layer)[1]]
+                          for layer in range(model.num_layers)]
         self.forward: Forward = model
         if compiled:
             self.forward = compile_forward(model)
@@ -117,7 +133,7 @@ class ModelRunner:
         if recorder is not None:
             self.graphs = DecodeGraphs(self.forward, self.kv_caches, block_size, max_model_len,
                                        max_num_seqs, padding_block=num_blocks, device=device,
-                                       recorder=recorder)
+                                       recorder=recorder, num_groups=self.layout.num_groups)
 
     @torch.inference_mode()
     def _placeholder_step(self, num_tokens: int) -> None:
@@ -127,13 +143,13 @@ class ModelRunner:
                                                  [[0]] * num_tokens, [0] * num_tokens,
                                                  self.device)
         zeros = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with forward_context(metadata, self.attention):
+        with forward_context([metadata] * self.layout.num_groups, self.attention):
             self.forward(zeros, zeros, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Runs the step; returns the chunks that sample a token and their float32 logits."""
-        inputs = StepInputs.gather(chunks, self.block_size)
+        inputs = StepInputs.gather(chunks, self.block_size, self.layout.num_groups)
         if self.tensor_parallel:
             broadcast_step(inputs.pack())
         return inputs.sampling_chunks, self.run(inputs)
@@ -143,8 +159,8 @@ class ModelRunner:
         """The step's forward; float32 logits of its sample rows."""
         graphs = self.graphs
         if graphs is not None and inputs.is_decode_only and graphs.serves(
-                len(inputs.token_ids), max(map(len, inputs.block_tables), default=0)):
-            hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mapping,
+                len(inputs.token_ids), max(map(len, inputs.block_tables[0]), default=0)):
+            hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mappings,
                                 inputs.seq_lens, inputs.block_tables)
         else:
             hidden = self._run_eager(inputs)
@@ -155,9 +171,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
-        metadata = self.attention.build_metadata(inputs.query_lens, inputs.seq_lens,
-                                                 inputs.block_tables, inputs.slot_mapping,
-                                                 self.device)
+        metadata = [self.attention.build_metadata(inputs.query_lens, inputs.seq_lens, tables,
+                                                  slots, self.device)
+                    for tables, slots in zip(inputs.block_tables, inputs.slot_mappings,
+                                             strict=True)]
         with forward_context(metadata, self.attention):
             return self.forward(int_tensor(inputs.token_ids, self.device),
                                 int_tensor(inputs.positions, self.device), self.kv_caches)
+
+
+def assign_kv_groups(model: torch.nn.Module, layout: KVCacheLayout) -> None:
+    """Each attention layer (in layer order) reads its KV cache group's block tables."""
+    layers = [module for module in model.modules() if isinstance(module, PagedAttention)]
+    if len(layers) != model.num_layers:
+        raise ValueError(f"{len(layers)} attention layers in a model of {model.num_layers}")
+    for index, layer in enumerate(layers):
+        layer.kv_group = layout.place(index)[0]

@@ -19,19 +19,21 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.window = window
         self.softcap = softcap
+        self.kv_group = 0  # its KV cache group, whose block tables it reads (set by the runner)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [T, heads, D], k and v [T, kv_heads, D] -> [T, heads, D]."""
         context = current_context()
-        return context.backend.forward(q, k, v, kv_cache[0], kv_cache[1], context.metadata,
-                                       self.scale, self.window, self.softcap)
+        return context.backend.forward(q, k, v, kv_cache[0], kv_cache[1],
+                                       context.metadata(self.kv_group), self.scale,
+                                       self.window, self.softcap)
 
     def forward_as_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The same through `loom::paged_attention`, which torch.compile keeps opaque."""
         return paged_attention_op(q, k, v, kv_cache[0], kv_cache[1], self.scale,
-                                  self.window or 0, self.softcap or 0.0)
+                                  self.window or 0, self.softcap or 0.0, self.kv_group)
 
     def trace_as_op(self) -> None:
         self.forward = self.forward_as_op
