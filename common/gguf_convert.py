@@ -36,7 +36,8 @@ _LLAMA_LAYER_TENSORS = {
 @dataclass(frozen=True, slots=True)
 class GGUFArchitecture:
     """How llama.cpp writes one architecture: its Hugging Face names, and what its converter
-    changed that reading must undo."""
+    changed that reading must undo. A layer tensor whose name holds `{}` stacks every
+    expert's weight (llama.cpp's `ffn_*_exps`): it reads as one tensor per expert."""
 
     model_type: str  # the Hugging Face config's
     hf_class: str
@@ -44,6 +45,12 @@ class GGUFArchitecture:
     rotary_permuted: bool  # q/k rows interleaved for llama.cpp's rope (Llama only)
     norm_offset: float = 0.0  # llama.cpp stores Gemma's norms as 1 + w
 
+
+_QWEN3_LAYER_TENSORS = {
+    **_LLAMA_LAYER_TENSORS,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 
 _GEMMA_LAYER_TENSORS = {
     **_LLAMA_LAYER_TENSORS,
@@ -54,10 +61,22 @@ _GEMMA_LAYER_TENSORS = {
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("llama", "LlamaForCausalLM", _LLAMA_LAYER_TENSORS, True),
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", _LLAMA_LAYER_TENSORS, False),
-    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", {
-        **_LLAMA_LAYER_TENSORS,
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", _QWEN3_LAYER_TENSORS,
+                              rotary_permuted=False),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", {
+        **_QWEN3_LAYER_TENSORS,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{}.up_proj",
+        "ffn_down_exps": "mlp.experts.{}.down_proj",
+    }, rotary_permuted=False),
+    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", {
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_up": "mlp.gate_up_proj",  # gate and up stacked, as Phi-3's own checkpoint
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
     }, rotary_permuted=False),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", _GEMMA_LAYER_TENSORS,
                                rotary_permuted=False, norm_offset=1.0),
@@ -67,7 +86,17 @@ GGUF_ARCHITECTURES = {
         "attn_k_norm": "self_attn.k_norm",
     }, rotary_permuted=False, norm_offset=1.0),
 }
-BY_MODEL_TYPE = {arch.model_type: arch for arch in GGUF_ARCHITECTURES.values()}
+# llama.cpp writes Mixtral as "llama" with an expert count.
+LLAMA_MOE = GGUFArchitecture("mixtral", "MixtralForCausalLM", {
+    **_LLAMA_LAYER_TENSORS,
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{}.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.{}.w2",
+}, rotary_permuted=True)
+BY_MODEL_TYPE = {arch.model_type: arch for arch in (*GGUF_ARCHITECTURES.values(), LLAMA_MOE)}
+# Tensors that are configuration, not weights: Phi-3's LongRoPE factors.
+CONFIG_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 GEMMA3_SLIDING_PATTERN = 6  # every sixth layer global, as transformers' Gemma3 defaults
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GLOBAL_TENSORS = {
@@ -88,7 +117,8 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Progress = print) -> None
     gguf_architecture(metadata)
     tensor_names = {tensor.name for tensor in reader.tensors}
     config = hf_config_from_gguf(metadata, tied="output.weight" not in tensor_names,
-                                 vocab_size=embedding_rows(reader.tensors))
+                                 vocab_size=embedding_rows(reader.tensors),
+                                 rope_factors=rope_factor_tensors(reader.tensors))
     tensors = _dequantize_all(reader, config, progress)
     progress("writing model.safetensors (float32), config.json, generation_config.json")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -109,7 +139,9 @@ def gguf_architecture(metadata: dict[str, Any]) -> GGUFArchitecture:
     name = metadata.get("general.architecture")
     if name not in GGUF_ARCHITECTURES:
         raise ValueError(f"architecture {name!r} is not supported; Loom reads GGUF files of "
-                         f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+                         f"{', '.join(sorted(GGUF_ARCHITECTURES))} (Mixtral as llama)")
+    if name == "llama" and metadata.get("llama.expert_count"):
+        return LLAMA_MOE
     return GGUF_ARCHITECTURES[name]
 
 
@@ -118,8 +150,9 @@ def embedding_rows(tensors: list[Any]) -> int:
     return next(int(tensor.shape[-1]) for tensor in tensors if tensor.name == "token_embd.weight")
 
 
-def hf_config_from_gguf(metadata: dict[str, Any], tied: bool,
-                        vocab_size: int = 0) -> dict[str, Any]:
+def hf_config_from_gguf(metadata: dict[str, Any], tied: bool, vocab_size: int = 0,
+                        rope_factors: dict[str, list[float]] | None = None) -> dict[str, Any]:
+    """`rope_factors`: a Phi-3 file's LongRoPE factors (see `rope_factor_tensors`)."""
     arch = metadata["general.architecture"]
     architecture = gguf_architecture(metadata)
 
@@ -156,9 +189,47 @@ def hf_config_from_gguf(metadata: dict[str, Any], tied: bool,
         config.update(_gemma3_config(get, config))
     if arch == "gemma2":
         config.update(_gemma2_config(get, config))
-    if arch == "qwen3":  # its heads are not hidden / heads wide
+    if arch in ("qwen3", "qwen3moe"):  # its heads are not hidden / heads wide
         config["head_dim"] = int(get("attention.key_length", config["head_dim"]))
+    if architecture.model_type in ("qwen3_moe", "mixtral"):
+        config.update(_moe_config(get, config, architecture.model_type))
+    if arch == "phi3":
+        config.update(_phi3_config(get, config, rope_factors or {}))
     return config
+
+
+def _moe_config(get: Callable[..., Any], config: dict[str, Any],
+                model_type: str) -> dict[str, Any]:
+    """Routed experts: llama.cpp renormalises Qwen3-MoE's top-k weights (as Mixtral's)."""
+    experts, used = int(get("expert_count")), int(get("expert_used_count"))
+    if model_type == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": used,
+                "sliding_window": None}
+    expert_width = int(get("expert_feed_forward_length", config["intermediate_size"]))
+    return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": True,
+            "moe_intermediate_size": expert_width, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
+
+
+def _phi3_config(get: Callable[..., Any], config: dict[str, Any],
+                 rope_factors: dict[str, list[float]]) -> dict[str, Any]:
+    """Phi-3: LongRoPE when the file carries its factors, its window if it has one."""
+    extra: dict[str, Any] = {"sliding_window": get("attention.sliding_window")}
+    original = get("rope.scaling.original_context_length")
+    if rope_factors:
+        extra["rope_scaling"] = {"type": "longrope", "long_factor": rope_factors["long"],
+                                 "short_factor": rope_factors["short"]}
+        extra["original_max_position_embeddings"] = int(original or config[
+            "max_position_embeddings"])
+    return extra
+
+
+def rope_factor_tensors(tensors: list[Any]) -> dict[str, list[float]]:
+    """A Phi-3 file's LongRoPE factors ({"long": ..., "short": ...}), or none."""
+    factors = {tensor.name.split("_")[2].split(".")[0]: [
+        _clean_float(value) for value in np.asarray(tensor.data, dtype=np.float32).ravel()]
+        for tensor in tensors if tensor.name in CONFIG_TENSORS}
+    return factors if len(factors) == 2 else {}
 
 
 def _gemma_config(get: Callable[..., Any], config: dict[str, Any],
@@ -218,24 +289,29 @@ def _dequantize_all(reader: Any, config: dict[str, Any],
     step = max(1, total // 8)
     tensors: dict[str, np.ndarray] = {}
     for index, tensor in enumerate(reader.tensors, start=1):
-        name, weight = dequantize_tensor(tensor, config)
-        tensors[name] = weight
+        tensors.update(dequantize_tensor(tensor, config))
         if index % step == 0 or index == total:
             progress(f"dequantizing {index}/{total} tensors")
     return tensors
 
 
-def dequantize_tensor(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndarray]:
-    """(Hugging Face name, float32 array in its layout) of one GGUF tensor."""
+def dequantize_tensor(tensor: Any, config: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """(Hugging Face name, float32 array in its layout) of one GGUF tensor: one per expert
+    for stacked experts, none for a configuration tensor."""
     from gguf.quants import dequantize
 
+    if tensor.name in CONFIG_TENSORS:
+        return []
     architecture = BY_MODEL_TYPE[config.get("model_type", "llama")]
     name = hf_tensor_name(tensor.name, architecture.model_type)
     weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     weight = weight.reshape([int(dim) for dim in reversed(tensor.shape)])
     if architecture.norm_offset and name.endswith("norm.weight"):
         weight = weight - np.float32(architecture.norm_offset)
-    return name, np.ascontiguousarray(unpermute_if_rotary(name, weight, config))
+    if "{}" in name:
+        return [(name.format(expert), np.ascontiguousarray(weight[expert]))
+                for expert in range(weight.shape[0])]
+    return [(name, np.ascontiguousarray(unpermute_if_rotary(name, weight, config)))]
 
 
 def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:

@@ -74,11 +74,13 @@ def read_gguf(path: Path) -> Any:
 
 def _write_prepared(path: Path, out: Path, progress: Any, with_tokenizer: bool) -> None:
     from common.gguf_convert import (
+        CONFIG_TENSORS,
         embedding_rows,
         generation_config,
         hf_config_from_gguf,
         hf_tensor_name,
         read_metadata,
+        rope_factor_tensors,
         write_json,
         write_tokenizer,
     )
@@ -88,8 +90,9 @@ def _write_prepared(path: Path, out: Path, progress: Any, with_tokenizer: bool) 
     names = {tensor.name for tensor in reader.tensors}
     try:
         config = hf_config_from_gguf(metadata, tied="output.weight" not in names,
-                                     vocab_size=embedding_rows(reader.tensors))
-        for name in names:
+                                     vocab_size=embedding_rows(reader.tensors),
+                                     rope_factors=rope_factor_tensors(reader.tensors))
+        for name in names - CONFIG_TENSORS:
             hf_tensor_name(name, config["model_type"])
     except (KeyError, ValueError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from exc

@@ -74,3 +74,106 @@ def test_a_gguf_of_the_architecture_equals_transformers(architecture: str,
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
     assert (prefill_logits(ours, prompt) - expected).abs().max().item() < 1e-4
+
+
+# What llama.cpp writes beyond one tensor per HF weight: experts stacked into `ffn_*_exps`
+# (Mixtral under the "llama" architecture, its q/k rows permuted for llama.cpp's rope),
+# Phi-3's fused qkv and gate_up and its LongRoPE factors as tensors.
+MORE_CASES = {
+    "qwen3moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "llama-moe": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                              "intermediate_size": 32}),
+    "phi3": ("phi3", {"original_max_position_embeddings": 100, "rope_scaling": {
+        "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
+}
+
+
+def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation for its Llama rope: HF's half-split pairs interleaved."""
+    rows, cols = weight.shape
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(
+        rows, cols)
+
+
+def gguf_tensors_of(hf_model: torch.nn.Module, architecture: str) -> dict[str, np.ndarray]:
+    """GGUF name -> array, as llama.cpp's converter names and lays out the weights."""
+    import gguf
+
+    config = hf_model.config
+    arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    out: dict[str, np.ndarray] = {}
+    for hf_name, tensor in hf_model.state_dict().items():
+        weight = tensor.float().numpy()
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        if hf_name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * width, hidden]
+            half = weight.shape[1] // 2
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = weight[:, :half]
+            out[f"blk.{layer}.ffn_up_exps.weight"] = weight[:, half:]
+        elif hf_name.endswith("mlp.experts.down_proj"):
+            out[f"blk.{layer}.ffn_down_exps.weight"] = weight
+        elif hf_name.endswith("mlp.gate.weight"):  # the router
+            out[f"blk.{layer}.ffn_gate_inp.weight"] = weight
+        elif hf_name.endswith("mlp.gate_up_proj.weight"):  # Phi-3: gate and up in one
+            out[f"blk.{layer}.ffn_up.weight"] = weight
+        elif hf_name.endswith("self_attn.qkv_proj.weight"):
+            out[f"blk.{layer}.attn_qkv.weight"] = weight
+        else:
+            base, _, suffix = hf_name.rpartition(".")
+            if architecture == "llama" and base.endswith(("q_proj", "k_proj")):
+                heads = (config.num_attention_heads if base.endswith("q_proj")
+                         else config.num_key_value_heads)
+                weight = permute_rotary(weight, heads)
+            out[f"{names.get_name(base)}.{suffix}"] = weight
+    return out
+
+
+@pytest.mark.parametrize("case", MORE_CASES)
+def test_stacked_experts_and_fused_phi3_weights_equal_the_source_model(
+        case: str, tmp_path: Path) -> None:
+    import gguf
+
+    model_type, overrides = MORE_CASES[case]
+    architecture = "llama" if case == "llama-moe" else case
+    hf_model = build_tiny_hf_model(model_type, **overrides)
+    config = hf_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    path = tmp_path / f"tiny-{case}.gguf"
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(getattr(config, "intermediate_size", 0))
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(TINY_LLAMA["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    tensors = gguf_tensors_of(hf_model, architecture)
+    if model_type != "phi3":
+        writer.add_expert_count(4)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(32)
+    else:
+        writer.add_rope_scaling_orig_ctx_len(100)
+        scaling = overrides["rope_scaling"]
+        tensors["rope_factors_long.weight"] = np.array(scaling["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.array(scaling["short_factor"], np.float32)
+    for name, weight in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
+    ours = load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert ours.config.model_type == model_type
+    prompt = prompt_of(60, 5)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    assert (prefill_logits(ours, prompt) - expected).abs().max().item() < 1e-4

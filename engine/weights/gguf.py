@@ -23,7 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.gguf_convert import dequantize_tensor, hf_tensor_name, unpermute_if_rotary
+from common.gguf_convert import (
+    CONFIG_TENSORS,
+    dequantize_tensor,
+    hf_tensor_name,
+    unpermute_if_rotary,
+)
 from engine.layers.linear import LinearBase
 from engine.quantization.base import QuantizedLinear
 from engine.quantization.int4 import Int4Linear
@@ -45,15 +50,16 @@ def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
     for tensor in tensors:
         if tensor.name in skip:
             continue
-        name, weight = dequantize_tensor(tensor, config)
-        yield name, torch.from_numpy(weight if weight.flags.writeable else weight.copy())
+        for name, weight in dequantize_tensor(tensor, config):
+            yield name, torch.from_numpy(weight if weight.flags.writeable else weight.copy())
 
 
 def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[GGUFTensor]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
     codes it will hold: every linear the model declares whose tensors are all 4-bit
     (INT4_TYPES) or all Q8_0, and the output projection (the embedding's codes, if tied)."""
-    by_name = {hf_tensor_name(tensor.name, model.config.model_type): tensor for tensor in tensors}
+    by_name = {hf_tensor_name(tensor.name, model.config.model_type): tensor for tensor in tensors
+               if tensor.name not in CONFIG_TENSORS}
     candidates = {name: linear_checkpoint_names(name, module)
                   for name, module in model.named_modules() if isinstance(module, LinearBase)}
     candidates["lm_head"] = ["model.embed_tokens.weight" if model.lm_head is None
