@@ -155,18 +155,14 @@ class BlockManager:
     def can_allocate(self, request: Request, num_tokens: int,
                      prefix: CachedPrefix | None = None) -> bool:
         """Can the request (after taking `prefix`, its cached blocks) cover num_tokens?"""
-        tables = prefix.tables if prefix is not None else self._tables(request)
+        tables = prefix.tables if prefix is not None else (
+            request.block_tables or [[] for _ in self.groups])
         reused_free = 0 if prefix is None else sum(
             1 for table in prefix.tables for block_id in table
             if block_id != self.null_block and self.blocks[block_id].ref_count == 0)
         needed = blocks_for(num_tokens, self.block_size)
         missing = sum(max(0, needed - len(table)) for table in tables)
         return missing + reused_free <= self.num_free_blocks
-
-    def _tables(self, request: Request) -> list[list[int]]:
-        if not request.block_tables:
-            request.block_tables = [[] for _ in self.groups]
-        return request.block_tables
 
     def take_prefix(self, request: Request, prefix: CachedPrefix) -> None:
         """Admission: the request starts from its cached prefix blocks."""
@@ -191,7 +187,9 @@ class BlockManager:
                                f"tokens ({self.num_free_blocks} free)")
         hashes = self.block_hashes(request) if self.enable_prefix_caching else []
         needed = blocks_for(num_tokens, self.block_size)
-        for group, table in enumerate(self._tables(request)):
+        if not request.block_tables:
+            request.block_tables = [[] for _ in self.groups]
+        for group, table in enumerate(request.block_tables):
             for index in range(len(table), needed):
                 block = self._pop_free_block()
                 block.ref_count, block.group = 1, group

@@ -29,7 +29,7 @@ from common.gguf_model import prepare_gguf
 from common.sockets import free_port
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.q8_0 import Q8_0Linear
-from engine.weights.gguf import keep_gguf_quantization, kept_groups, q4_codes
+from engine.weights.gguf import keep_gguf_quantization, kept_groups, q4_codes, q5_0_codes
 from engine.weights.gguf_file import GGUFTensor, read_tensors
 from engine.weights.loader import load_model
 from tests.launched_server import LaunchedServer
@@ -207,6 +207,26 @@ def test_q4_k_blocks_reduce_exactly_to_groups_of_32() -> None:
     ours = (q.reshape(rows, -1, 32) - 8.0) * scale[..., None] + zero[..., None]
     expected = dequantize(raw, kind).reshape(rows, columns)
     assert np.array_equal(ours.reshape(rows, columns).astype(np.float32), expected)
+
+
+def test_q5_0_blocks_are_exactly_int8_codes_with_their_scale() -> None:
+    """Random Q5_0 blocks (sane fp16 d; every fifth-bit and nibble pattern): codes q - 16
+    times d give gguf's own dequantization exactly, and stay within -16..15."""
+    import gguf
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    rows, columns = 5, 640
+    raw = rng.integers(0, 256, (rows, columns // 32 * 22), dtype=np.uint8)
+    d = (rng.random((rows, columns // 32)) * 0.02 + 1e-3).astype(np.float16)
+    raw.reshape(rows, -1, 22)[..., 0:2] = d.view(np.uint8).reshape(rows, -1, 2)
+    kind = gguf.GGMLQuantizationType.Q5_0
+    q, scale = q5_0_codes(GGUFTensor("blk.0.ffn_up.weight", kind, (columns, rows), raw))
+    assert q.dtype == np.int8 and q.min() >= -16 and q.max() <= 15
+    assert q.min() == -16 and q.max() == 15  # every code seen: the fifth bit lands
+    ours = q.reshape(rows, -1, 32).astype(np.float32) * scale[..., None]
+    expected = dequantize(raw, kind).reshape(rows, columns)
+    assert np.array_equal(ours.reshape(rows, columns), expected)
 
 
 def test_rotary_permutation_round_trips() -> None:

@@ -7,9 +7,12 @@ or Q4_K are then replaced by `Int4Linear`s holding the file's own codes
 is exactly a group of 32 with scale d and zero at code 8 of 0 (Q4_0) or m + 8·d (Q4_1); a
 Q4_K super-block is eight such groups (`_q4_k_codes`). Scale and zero are held in the
 model's dtype (bf16 rounds them to 8 bits of mantissa). Q8_0 linears become `Q8_0Linear`s
-holding the codes and scales exactly. A tied output projection is made from the embedding's
-codes, the embedding itself staying float for the lookup. Other quantized types (Q6_K, ...)
-stay float, named in one warning line.
+holding the codes and scales exactly, and so do Q5_0 ones: a Q5_0 block (fp16 d, 5-bit codes
+q, W = (q - 16)·d) is exactly a Q8_0 block of codes q - 16 (`q5_0_codes`). llama.cpp writes
+Q5_0 where a K-quant's 256-wide super-blocks do not fit a row (Gemma 3 270M's 640-wide
+inputs). A tied output projection is made from the embedding's codes, the embedding itself
+staying float for the lookup. Other quantized types (Q6_K, ...) stay float, named in one
+warning line.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ logger = logging.getLogger("loom.engine")
 
 GGUF_BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # all exactly groups of 32 with scale, zero
-KEPT_TYPES = INT4_TYPES | {"Q8_0"}
+INT8_TYPES = frozenset({"Q8_0", "Q5_0"})  # exactly int8 codes with one scale per 32
 TIED_EMBEDDING = "token_embd.weight"
 
 
@@ -57,7 +60,8 @@ def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
 def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[GGUFTensor]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
     codes it will hold: every linear the model declares whose tensors are all 4-bit
-    (INT4_TYPES) or all Q8_0, and the output projection (the embedding's codes, if tied)."""
+    (INT4_TYPES) or all int8 codes (INT8_TYPES), and the output projection (the embedding's
+    codes, if tied)."""
     by_name = {hf_tensor_name(tensor.name, model.config.model_type): tensor for tensor in tensors
                if tensor.name not in CONFIG_TENSORS}
     candidates = {name: linear_checkpoint_names(name, module)
@@ -67,7 +71,7 @@ def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[G
     groups = {module: [by_name[name] for name in names] for module, names in candidates.items()}
     return {module: members for module, members in groups.items()
             if all(member.tensor_type.name in INT4_TYPES for member in members)
-            or all(member.tensor_type.name == "Q8_0" for member in members)}
+            or all(member.tensor_type.name in INT8_TYPES for member in members)}
 
 
 def linear_checkpoint_names(name: str, linear: LinearBase) -> list[str]:
@@ -123,6 +127,26 @@ def _q4_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32), zero.astype(np.float32)
 
 
+def int8_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 [N, K], d float32 [N, K/32]) of a Q8_0 or Q5_0 tensor, W = q·d."""
+    return q5_0_codes(tensor) if tensor.tensor_type.name == "Q5_0" else q8_0_codes(tensor)
+
+
+def q5_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A Q5_0 block (fp16 d, 4 bytes of fifth bits, 16 bytes of low nibbles) as int8 codes
+    q - 16 in -16..15 with the block's d: W = (q - 16)·d."""
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 2 + 4 + GGUF_BLOCK // 2)
+    scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
+    high_bits = blocks[..., 2:6].copy().view(np.uint32)  # bit j: the fifth bit of code j
+    fifth = (high_bits >> np.arange(GGUF_BLOCK, dtype=np.uint32)) & 1
+    nibbles = blocks[..., 6:]
+    # Byte j holds code j in its low nibble and code j + 16 in its high one.
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    q = (low | (fifth.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    return q.reshape(rows, -1), scale
+
+
 def q8_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
     """(q int8 [N, K], d float32 [N, K/32]) of a Q8_0 tensor (blocks: fp16 d, 32 int8 codes),
     W = q·d."""
@@ -142,9 +166,9 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     made: list[QuantizedLinear] = []
     model_type = config["model_type"]
     for module_name, members in groups.items():
-        is_q8 = members[0].tensor_type.name == "Q8_0"
+        is_q8 = members[0].tensor_type.name in INT8_TYPES
         codes = [[unpermute_if_rotary(hf_tensor_name(member.name, model_type), array, config)
-                  for array in (q8_0_codes(member) if is_q8 else q4_codes(member))]
+                  for array in (int8_codes(member) if is_q8 else q4_codes(member))]
                  for member in members]
         arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
         parent_name, _, attribute = module_name.rpartition(".")
@@ -165,8 +189,8 @@ def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int) -> Non
                            and (kind := tensor.tensor_type.name) not in _FLOAT_TYPES)
     if served_float:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(served_float.items()))
-        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1, Q4_K and "
-                       "Q8_0 linears alone keep their codes)", kinds)
+        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1, Q4_K, Q5_0 "
+                       "and Q8_0 linears alone keep their codes)", kinds)
     logger.info("GGUF: %d linears keep the file's codes (%d tensors)", num_layers, len(kept))
 
 
