@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.forward_context import forward_context
+from engine.attention.metadata import Workspace
 from engine.distributed.tensor_parallel import broadcast_step
 from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.executor.cuda_graphs import DecodeGraphs, Recorder
@@ -118,6 +119,7 @@ class ModelRunner:
         self.tensor_parallel = tensor_parallel
         self.block_size = block_size
         self.device = device
+        self.workspace = Workspace()  # the step's logits: valid until the next step runs
         shape = model.kv_cache_shape(num_blocks + 1, block_size)
         # Zeroed, not empty: padded tails of blocks are read (and masked) by attention.
         storage = [(torch.zeros(shape, dtype=dtype, device=device),
@@ -156,7 +158,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's forward; float32 logits of its sample rows."""
+        """The step's forward; float32 logits of its sample rows (in the runner's buffer:
+        read them before the next step)."""
         graphs = self.graphs
         if graphs is not None and inputs.is_decode_only and graphs.serves(
                 len(inputs.token_ids), max(map(len, inputs.block_tables[0]), default=0)):
@@ -168,7 +171,7 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if len(inputs.sample_rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, int_tensor(inputs.sample_rows, self.device))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self.workspace)
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         metadata = [self.attention.build_metadata(inputs.query_lens, inputs.seq_lens, tables,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.attention.metadata import Workspace
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTables
 from engine.models.config import ModelConfig
@@ -83,7 +84,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       workspace: Workspace | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, workspace)
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
