@@ -229,6 +229,79 @@ def test_q5_0_blocks_are_exactly_int8_codes_with_their_scale() -> None:
     assert np.array_equal(ours.reshape(rows, columns), expected)
 
 
+# The tensor types llama.cpp writes for today's models, one per linear of a 256-wide layer
+# (K-quants need rows of 256): kept where the type has a kernel, dequantized otherwise.
+MIXED_TYPES = {"attn_q": "Q5_K", "attn_k": "Q6_K", "attn_v": "F16", "attn_output": "BF16",
+               "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q5_0"}
+K_QUANT_SCALES = {"Q4_K": (0, 144), "Q5_K": (0, 176), "Q6_K": (208, 210)}  # d: (offset, block)
+
+
+def random_tensor(kind: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """Random data of a GGUF type: K-quant blocks of random bytes with sane fp16 scales
+    (gguf cannot quantize to K-quants), the rest quantized from random floats."""
+    import gguf
+
+    if kind not in K_QUANT_SCALES:
+        return gguf.quants.quantize(rng.standard_normal((rows, columns)).astype(np.float32),
+                                    gguf.GGMLQuantizationType[kind])
+    offset, block = K_QUANT_SCALES[kind]
+    raw = rng.integers(0, 256, (rows, columns // 256, block), dtype=np.uint8)
+    width = 4 if kind != "Q6_K" else 2  # d and dmin, or d alone
+    halves = (rng.random((rows, columns // 256, width // 2)) * 0.02 + 1e-3).astype(np.float16)
+    raw[..., offset:offset + width] = halves.view(np.uint8).reshape(rows, -1, width)
+    return raw.reshape(rows, -1)
+
+
+def test_every_common_tensor_type_loads_as_ggufs_own_dequantization(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    hidden, inner, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (inner, hidden), "ffn_up": (inner, hidden), "ffn_down": (hidden, inner)}
+    rng = np.random.default_rng(3)
+    path = tmp_path / "tiny-mixed.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 512), (writer.add_embedding_length, hidden),
+                       (writer.add_block_count, 1), (writer.add_feed_forward_length, inner),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
+                       (writer.add_rope_dimension_count, head_dim),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, 256)):
+        add(value)
+    expected = {}
+    for kind, (rows, columns) in shapes.items():
+        data = random_tensor(MIXED_TYPES[kind], rows, columns, rng)
+        quant_type = gguf.GGMLQuantizationType[MIXED_TYPES[kind]]
+        writer.add_tensor(f"blk.0.{kind}.weight", data, raw_dtype=quant_type)
+        expected[kind] = dequantize(data, quant_type).reshape(rows, columns)
+    for name, shape in (("token_embd", (256, hidden)), ("output", (256, hidden)),
+                        ("output_norm", (hidden,)), ("blk.0.attn_norm", (hidden,)),
+                        ("blk.0.ffn_norm", (hidden,))):
+        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
+    layer = load_model(model_dir, torch.float32, torch.device("cpu")).model.layers[0]
+    qkv = np.concatenate([unpermute_rotary(expected["attn_q"], heads),
+                          unpermute_rotary(expected["attn_k"], kv_heads), expected["attn_v"]])
+    for module, want in (("self_attn.qkv_proj", qkv), ("self_attn.o_proj", expected["attn_output"]),
+                         ("mlp.gate_up_proj",
+                          np.concatenate([expected["ffn_gate"], expected["ffn_up"]])),
+                         ("mlp.down_proj", expected["ffn_down"])):
+        assert np.array_equal(layer.get_submodule(module).weight.numpy(), want), module
+    # In bf16 the Q4_K pair and the Q5_0 linear keep their codes; the rest is served float.
+    with caplog.at_level("INFO", logger="loom.engine"):
+        layer = load_model(model_dir, torch.bfloat16, torch.device("cpu")).model.layers[0]
+    assert "served dequantized to float: 1 Q5_K, 1 Q6_K (" in caplog.text  # one line
+    assert isinstance(layer.mlp.gate_up_proj, Int4Linear)
+    assert isinstance(layer.mlp.down_proj, Q8_0Linear)
+    assert not isinstance(layer.self_attn.qkv_proj, (Int4Linear, Q8_0Linear))
+
+
 def test_rotary_permutation_round_trips() -> None:
     weight = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     assert np.array_equal(unpermute_rotary(permute_rotary(weight, 2), 2), weight)
