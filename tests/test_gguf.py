@@ -29,7 +29,13 @@ from common.gguf_model import prepare_gguf
 from common.sockets import free_port
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.q8_0 import Q8_0Linear
-from engine.weights.gguf import keep_gguf_quantization, kept_groups, q4_codes, q5_0_codes
+from engine.weights.gguf import (
+    keep_gguf_quantization,
+    kept_groups,
+    q4_codes,
+    q5_0_codes,
+    q6_k_codes,
+)
 from engine.weights.gguf_file import GGUFTensor, read_tensors
 from engine.weights.loader import load_model
 from tests.launched_server import LaunchedServer
@@ -232,7 +238,7 @@ def test_q5_0_blocks_are_exactly_int8_codes_with_their_scale() -> None:
 # The tensor types llama.cpp writes for today's models, one per linear of a 256-wide layer
 # (K-quants need rows of 256): kept where the type has a kernel, dequantized otherwise.
 MIXED_TYPES = {"attn_q": "Q5_K", "attn_k": "Q6_K", "attn_v": "F16", "attn_output": "BF16",
-               "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q5_0"}
+               "ffn_gate": "Q6_K", "ffn_up": "Q5_0", "ffn_down": "Q4_K"}
 K_QUANT_SCALES = {"Q4_K": (0, 144), "Q5_K": (0, 176), "Q6_K": (208, 210)}  # d: (offset, block)
 
 
@@ -293,13 +299,31 @@ def test_every_common_tensor_type_loads_as_ggufs_own_dequantization(
                           np.concatenate([expected["ffn_gate"], expected["ffn_up"]])),
                          ("mlp.down_proj", expected["ffn_down"])):
         assert np.array_equal(layer.get_submodule(module).weight.numpy(), want), module
-    # In bf16 the Q4_K pair and the Q5_0 linear keep their codes; the rest is served float.
+    # In bf16 the Q6_K + Q5_0 pair keeps its codes as int8 (scales per 16: the Q5_0 half's
+    # repeated), the Q4_K down projection as int4; the rest (Q5_K among them) is served float.
     with caplog.at_level("INFO", logger="loom.engine"):
         layer = load_model(model_dir, torch.bfloat16, torch.device("cpu")).model.layers[0]
     assert "served dequantized to float: 1 Q5_K, 1 Q6_K (" in caplog.text  # one line
-    assert isinstance(layer.mlp.gate_up_proj, Int4Linear)
-    assert isinstance(layer.mlp.down_proj, Q8_0Linear)
+    gate_up = layer.mlp.gate_up_proj
+    assert isinstance(gate_up, Q8_0Linear) and gate_up.block == 16
+    assert np.array_equal(gate_up.dequantized_weight().numpy(),
+                          np.concatenate([expected["ffn_gate"], expected["ffn_up"]]))
+    assert isinstance(layer.mlp.down_proj, Int4Linear)
     assert not isinstance(layer.self_attn.qkv_proj, (Int4Linear, Q8_0Linear))
+
+
+def test_q6_k_blocks_are_exactly_int8_codes_with_a_scale_per_16() -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(4)
+    rows, columns = 3, 512
+    raw = random_tensor("Q6_K", rows, columns, rng)
+    kind = gguf.GGMLQuantizationType.Q6_K
+    q, scale = q6_k_codes(GGUFTensor("blk.0.ffn_down.weight", kind, (columns, rows), raw))
+    assert q.dtype == np.int8 and q.min() == -32 and q.max() == 31
+    ours = q.reshape(rows, -1, 16).astype(np.float32) * scale[..., None]
+    assert np.array_equal(ours.reshape(rows, columns), dequantize(raw, kind))
 
 
 def test_rotary_permutation_round_trips() -> None:

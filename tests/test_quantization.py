@@ -95,17 +95,18 @@ def test_w8a8_cpp_passes_equal_the_torch_ops_bit_for_bit(dtype: torch.dtype) -> 
         w8a8_kernels.rescale(acc.float(), scales, layer.scale, dtype)
 
 
+@pytest.mark.parametrize("block", [32, 16], ids=["q8_0", "q6_k-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_q8_0_layer_equals_float_math_on_its_codes(dtype: torch.dtype) -> None:
-    """GGUF Q8_0 codes (blocks of 32, one scale each) through the C++ kernel (1-4 rows) and
-    past it (dequantized weight, or the packed copy once attached)."""
+def test_q8_0_layer_equals_float_math_on_its_codes(dtype: torch.dtype, block: int) -> None:
+    """int8 codes with one scale per block of 32 (Q8_0, Q5_0) or 16 (Q6_K) through the C++
+    kernel (1-4 rows) and past it (dequantized weight, or the packed copy once attached)."""
     assert load_q8_kernel() is not None
     generator = torch.Generator().manual_seed(2)
     codes = torch.randint(-127, 128, (70, 96), generator=generator, dtype=torch.int8)
-    scales = torch.rand(70, 3, generator=generator) * 0.01
+    scales = torch.rand(70, 96 // block, generator=generator) * 0.01
     bias = torch.randn(70, generator=generator).to(dtype)
     layer = Q8_0Linear(codes, scales, bias, dtype)
-    weight = (codes.float().view(70, 3, 32) * scales[..., None]).view(70, 96)
+    weight = (codes.float().view(70, -1, block) * scales[..., None]).view(70, 96)
     assert torch.equal(layer.dequantized_weight(), weight)
     for attach in (False, True):
         if attach:
@@ -118,7 +119,7 @@ def test_q8_0_layer_equals_float_math_on_its_codes(dtype: torch.dtype) -> None:
             scale = expected.abs().max().item()
             assert (out.float() - expected).abs().max().item() <= LAYER_TOLERANCE[dtype] * scale
     with pytest.raises(ValueError, match="Q8_0"):
-        Q8_0Linear(codes, scales[:, :2], None, dtype)
+        Q8_0Linear(codes, scales[:, :1], None, dtype)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -16,6 +16,7 @@ import torch
 from engine.kernels.build import I64, INT, PTR, load_library
 
 Q8_BLOCK = 32
+BLOCKS = (16, 32)  # input channels per scale: Q8_0 and Q5_0 blocks, Q6_K's sub-blocks
 MAX_ROWS = 4  # rows of x per call: the kernel keeps one accumulator per row in registers
 
 
@@ -26,17 +27,20 @@ def kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows ≤ MAX_ROWS, k] (bf16 or fp32, contiguous) times the Q8_0 weight transposed:
-    codes int8 [n, k], scales float32 [n, k / 32], both contiguous CPU tensors."""
+    """x [rows ≤ MAX_ROWS, k] (bf16 or fp32, contiguous) times the int8 weight transposed:
+    codes int8 [n, k], scales float32 [n, k / block] (block 32 or 16), both contiguous CPU
+    tensors."""
     kernel = load_q8_kernel()
     assert kernel is not None
     x = x.contiguous()
     n, k = codes.shape
-    if x.shape[1] != k or scales.shape != (n, k // Q8_BLOCK):
-        raise ValueError(f"Q8_0: x {tuple(x.shape)} against codes {tuple(codes.shape)}")
+    block = k // scales.shape[1]
+    if x.shape[1] != k or scales.shape != (n, k // block) or block not in BLOCKS:
+        raise ValueError(f"Q8_0: x {tuple(x.shape)} against codes {tuple(codes.shape)} "
+                         f"and scales {tuple(scales.shape)}")
     y = x.new_empty((x.shape[0], n))
     status = kernel(int(x.dtype is torch.bfloat16), x.data_ptr(), x.shape[0], codes.data_ptr(),
-                    scales.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+                    scales.data_ptr(), y.data_ptr(), n, k, block, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the Q8_0 kernel refused its arguments ({status})")
     return y
@@ -46,5 +50,6 @@ def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 def load_q8_kernel() -> ctypes._CFuncPtr | None:
     """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
     library = load_library("q8_0_matmul", "the dequantized weight", {
-        "loom_q8_0_matmul": ([INT, PTR, I64, PTR, PTR, PTR, I64, I64, INT], ctypes.c_int)})
+        "loom_q8_0_matmul": ([INT, PTR, I64, PTR, PTR, PTR, I64, I64, I64, INT],
+                             ctypes.c_int)})
     return None if library is None else library.loom_q8_0_matmul

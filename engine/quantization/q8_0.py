@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.q8_0_matmul import BLOCKS, kernel_serves, run_q8_0_matmul
 from engine.kernels.q8_0_matmul import MAX_ROWS as Q8_MAX_ROWS
-from engine.kernels.q8_0_matmul import Q8_BLOCK, kernel_serves, run_q8_0_matmul
 from engine.quantization.base import QuantizedLinear
 
 
 class Q8_0Linear(QuantizedLinear):
     """A GGUF Q8_0 weight held as the file has it: int8 codes q [N, K] and one scale per block
-    of 32 input channels, W = q·d. Up to `max_kernel_rows` tokens run the C++ kernel on the
+    of 32 input channels, W = q·d (Q5_0 and Q6_K tensors load into it exactly too, Q6_K with
+    a scale per 16 input channels). Up to `max_kernel_rows` tokens run the C++ kernel on the
     codes (engine.kernels.q8_0_matmul: half bf16's bytes, fp32 math); larger steps run the packed
     copy, or multiply the dequantized weight where no kernel builds."""
 
@@ -21,9 +22,11 @@ class Q8_0Linear(QuantizedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__(codes.shape, bias)
-        if self.in_features != scales.shape[1] * Q8_BLOCK or scales.shape[0] != codes.shape[0]:
+        self.block = self.in_features // max(1, scales.shape[1])
+        if (self.block not in BLOCKS or self.in_features != scales.shape[1] * self.block
+                or scales.shape[0] != codes.shape[0]):
             raise ValueError(f"Q8_0: {tuple(scales.shape)} scales for codes "
-                             f"{tuple(codes.shape)} (blocks of {Q8_BLOCK})")
+                             f"{tuple(codes.shape)} (blocks of {' or '.join(map(str, BLOCKS))})")
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("block_scales", scales.float().contiguous())
         self._dtype = dtype
@@ -35,7 +38,7 @@ class Q8_0Linear(QuantizedLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """q·d in float32, exactly as the file defines the weight."""
-        blocks = self.codes.float().view(self.out_features, -1, Q8_BLOCK)
+        blocks = self.codes.float().view(self.out_features, -1, self.block)
         return (blocks * self.block_scales[..., None]).view(self.out_features, -1)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,12 @@ is exactly a group of 32 with scale d and zero at code 8 of 0 (Q4_0) or m + 8·d
 Q4_K super-block is eight such groups (`_q4_k_codes`). Scale and zero are held in the
 model's dtype (bf16 rounds them to 8 bits of mantissa). Q8_0 linears become `Q8_0Linear`s
 holding the codes and scales exactly, and so do Q5_0 ones: a Q5_0 block (fp16 d, 5-bit codes
-q, W = (q - 16)·d) is exactly a Q8_0 block of codes q - 16 (`q5_0_codes`). llama.cpp writes
-Q5_0 where a K-quant's 256-wide super-blocks do not fit a row (Gemma 3 270M's 640-wide
-inputs). A tied output projection is made from the embedding's codes, the embedding itself
-staying float for the lookup. Other quantized types (Q6_K, ...) stay float, named in one
-warning line.
+q, W = (q - 16)·d) is exactly a Q8_0 block of codes q - 16 (`q5_0_codes`); and Q6_K ones, as
+int8 codes q - 32 with a scale per 16 (`q6_k_codes`; their 32-blocked neighbours in a fused
+linear repeat each scale twice). llama.cpp writes Q5_0 where a K-quant's 256-wide
+super-blocks do not fit a row (Gemma 3 270M's 640-wide inputs). A tied output projection
+is made from the embedding's codes, the embedding itself staying float for the lookup.
+Other quantized types (Q5_K, Q2_K, ...) stay float, named in one warning line.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ logger = logging.getLogger("loom.engine")
 
 GGUF_BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # all exactly groups of 32 with scale, zero
-INT8_TYPES = frozenset({"Q8_0", "Q5_0"})  # exactly int8 codes with one scale per 32
+# Exactly int8 codes with one scale per 32 input channels (Q6_K: per 16)
+INT8_TYPES = frozenset({"Q8_0", "Q5_0", "Q6_K"})
 TIED_EMBEDDING = "token_embd.weight"
 
 
@@ -127,9 +129,33 @@ def _q4_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32), zero.astype(np.float32)
 
 
-def int8_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(q int8 [N, K], d float32 [N, K/32]) of a Q8_0 or Q5_0 tensor, W = q·d."""
-    return q5_0_codes(tensor) if tensor.tensor_type.name == "Q5_0" else q8_0_codes(tensor)
+def int8_codes(tensor: Any, block: int = GGUF_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 [N, K], d float32 [N, K / block]) of a Q8_0, Q5_0 or Q6_K tensor, W = q·d:
+    a scale per 16 input channels (Q6_K's own) when `block` is 16."""
+    kind = tensor.tensor_type.name
+    read = {"Q5_0": q5_0_codes, "Q6_K": q6_k_codes}.get(kind, q8_0_codes)
+    q, scale = read(tensor)
+    return q, np.repeat(scale, q.shape[1] // scale.shape[1] // block, axis=1)
+
+
+def q6_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A Q6_K super-block (256 weights: 128 bytes of low nibbles, 64 of high bit pairs, 16
+    int8 sub-block scales, fp16 d) as int8 codes q - 32 in -32..31 with a scale d·sc per 16:
+    W = d·sc·(q - 32)."""
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 210)
+    low, high = blocks[..., :128], blocks[..., 128:192]
+    sub_scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    halves = []
+    for half in range(2):  # each 128 weights: 64 bytes of low nibbles, 32 of high pairs
+        ql, qh = low[..., 64 * half:64 * half + 64], high[..., 32 * half:32 * half + 32]
+        halves += [(ql[..., :32] & 0x0F) | ((qh & 3) << 4),
+                   (ql[..., 32:] & 0x0F) | (((qh >> 2) & 3) << 4),
+                   (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4),
+                   (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
+    q = np.concatenate(halves, axis=-1).astype(np.int8) - np.int8(32)
+    return q.reshape(rows, -1), (d * sub_scales).reshape(rows, -1)
 
 
 def q5_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -167,8 +193,9 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     model_type = config["model_type"]
     for module_name, members in groups.items():
         is_q8 = members[0].tensor_type.name in INT8_TYPES
+        block = 16 if any(member.tensor_type.name == "Q6_K" for member in members) else 32
         codes = [[unpermute_if_rotary(hf_tensor_name(member.name, model_type), array, config)
-                  for array in (int8_codes(member) if is_q8 else q4_codes(member))]
+                  for array in (int8_codes(member, block) if is_q8 else q4_codes(member))]
                  for member in members]
         arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
         parent_name, _, attribute = module_name.rpartition(".")
@@ -189,8 +216,8 @@ def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int) -> Non
                            and (kind := tensor.tensor_type.name) not in _FLOAT_TYPES)
     if served_float:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(served_float.items()))
-        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1, Q4_K, Q5_0 "
-                       "and Q8_0 linears alone keep their codes)", kinds)
+        logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1, Q4_K, Q5_0, "
+                       "Q6_K and Q8_0 linears alone keep their codes)", kinds)
     logger.info("GGUF: %d linears keep the file's codes (%d tensors)", num_layers, len(kept))
 
 

@@ -8,7 +8,6 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
 constexpr int kMaxRows = 4;
 constexpr int64_t kChunk = 64;  // output channels per OpenMP task
 // Channels to prefetch ahead: with a few KB in flight a core streams the codes at ~20 GB/s
@@ -21,25 +20,33 @@ inline __m512 widen16(const int8_t* q) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
 }
 
-// Output channel j for every row of xf (fp32, [rows][k]).
-template <int kRows>
+// Output channel j for every row of xf (fp32, [rows][k]); one scale per kBlock codes.
+template <int kRows, int kBlock>
 void channel(const float* xf, int64_t k, const int8_t* q, const float* d, float* out) {
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 w0 = widen16(q + b * kBlock), w1 = widen16(q + b * kBlock + 16);
     const __m512 scale = _mm512_set1_ps(d[b]);
-    for (int r = 0; r < kRows; ++r) {
-      const float* x = xf + r * k + b * kBlock;
-      const __m512 dot = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16),
-                                         _mm512_mul_ps(w0, _mm512_loadu_ps(x)));
-      acc[r] = _mm512_fmadd_ps(scale, dot, acc[r]);
+    const __m512 w0 = widen16(q + b * kBlock);
+    if constexpr (kBlock == 32) {
+      const __m512 w1 = widen16(q + b * kBlock + 16);
+      for (int r = 0; r < kRows; ++r) {
+        const float* x = xf + r * k + b * kBlock;
+        const __m512 dot = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16),
+                                           _mm512_mul_ps(w0, _mm512_loadu_ps(x)));
+        acc[r] = _mm512_fmadd_ps(scale, dot, acc[r]);
+      }
+    } else {
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 dot = _mm512_mul_ps(w0, _mm512_loadu_ps(xf + r * k + b * kBlock));
+        acc[r] = _mm512_fmadd_ps(scale, dot, acc[r]);
+      }
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 #else
-template <int kRows>
+template <int kRows, int kBlock>
 void channel(const float* xf, int64_t k, const int8_t* q, const float* d, float* out) {
   for (int r = 0; r < kRows; ++r) {
     float total = 0.f;
@@ -55,7 +62,7 @@ void channel(const float* xf, int64_t k, const int8_t* q, const float* d, float*
 }
 #endif
 
-template <typename T, int kRows>
+template <typename T, int kRows, int kBlock>
 void matmul(const T* x, const int8_t* q, const float* d, T* y, int64_t n, int64_t k,
             int threads) {
   std::vector<float> xf(kRows * k);
@@ -70,34 +77,44 @@ void matmul(const T* x, const int8_t* q, const float* d, T* y, int64_t n, int64_
       }
 #endif
       float out[kRows];
-      channel<kRows>(xf.data(), k, q + j * k, d + j * (k / kBlock), out);
+      channel<kRows, kBlock>(xf.data(), k, q + j * k, d + j * (k / kBlock), out);
       for (int r = 0; r < kRows; ++r) store(y + r * n + j, out[r]);
     }
   }
 }
 
-template <typename T>
+template <typename T, int kBlock>
 void dispatch(const T* x, int64_t rows, const int8_t* q, const float* d, T* y, int64_t n,
               int64_t k, int threads) {
   switch (rows) {
-    case 1: return matmul<T, 1>(x, q, d, y, n, k, threads);
-    case 2: return matmul<T, 2>(x, q, d, y, n, k, threads);
-    case 3: return matmul<T, 3>(x, q, d, y, n, k, threads);
-    case 4: return matmul<T, 4>(x, q, d, y, n, k, threads);
+    case 1: return matmul<T, 1, kBlock>(x, q, d, y, n, k, threads);
+    case 2: return matmul<T, 2, kBlock>(x, q, d, y, n, k, threads);
+    case 3: return matmul<T, 3, kBlock>(x, q, d, y, n, k, threads);
+    case 4: return matmul<T, 4, kBlock>(x, q, d, y, n, k, threads);
   }
+}
+
+template <typename T>
+void dispatch_block(const T* x, int64_t rows, const int8_t* q, const float* d, T* y,
+                    int64_t n, int64_t k, int64_t block, int threads) {
+  if (block == 16) return dispatch<T, 16>(x, rows, q, d, y, n, k, threads);
+  return dispatch<T, 32>(x, rows, q, d, y, n, k, threads);
 }
 
 }  // namespace
 
-// y [rows, n] = x [rows, k] times the Q8_0 weight (codes q [n, k], scales d [n, k / 32])
-// transposed; x and y bf16 (is_bf16) or fp32. 1 when the arguments are out of range.
+// y [rows, n] = x [rows, k] times the int8 weight (codes q [n, k], scales d [n, k / block],
+// block 32 (Q8_0, Q5_0) or 16 (Q6_K)) transposed; x and y bf16 (is_bf16) or fp32. 1 when the
+// arguments are out of range.
 extern "C" int loom_q8_0_matmul(int is_bf16, const void* x, int64_t rows, const int8_t* q,
-                                const float* d, void* y, int64_t n, int64_t k, int threads) {
-  if (rows < 1 || rows > kMaxRows || k % kBlock) return 1;
+                                const float* d, void* y, int64_t n, int64_t k, int64_t block,
+                                int threads) {
+  if (rows < 1 || rows > kMaxRows || (block != 16 && block != 32) || k % block) return 1;
   if (is_bf16)
-    dispatch(static_cast<const uint16_t*>(x), rows, q, d, static_cast<uint16_t*>(y), n, k,
-             threads);
+    dispatch_block(static_cast<const uint16_t*>(x), rows, q, d, static_cast<uint16_t*>(y), n,
+                   k, block, threads);
   else
-    dispatch(static_cast<const float*>(x), rows, q, d, static_cast<float*>(y), n, k, threads);
+    dispatch_block(static_cast<const float*>(x), rows, q, d, static_cast<float*>(y), n, k,
+                   block, threads);
   return 0;
 }
