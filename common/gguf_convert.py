@@ -226,7 +226,7 @@ def _phi3_config(get: Callable[..., Any], config: dict[str, Any],
 
 def rope_factor_tensors(tensors: list[Any]) -> dict[str, list[float]]:
     """A Phi-3 file's LongRoPE factors ({"long": ..., "short": ...}), or none."""
-    factors = {tensor.name.split("_")[2].split(".")[0]: [
+    factors = {tensor.name.removeprefix("rope_factors_").removesuffix(".weight"): [
         _clean_float(value) for value in np.asarray(tensor.data, dtype=np.float32).ravel()]
         for tensor in tensors if tensor.name in CONFIG_TENSORS}
     return factors if len(factors) == 2 else {}

@@ -212,8 +212,9 @@ class BlockManager:
         """After a step advanced the request: its full, computed blocks join the prefix
         cache, and blocks behind a sliding window go back to the pool."""
         if self.enable_prefix_caching:
+            hashes = self.block_hashes(request)
             for group in range(len(self.groups)):
-                self._cache_computed(request, group)
+                self._cache_computed(request, group, hashes)
         for group, spec in enumerate(self.groups):
             first = spec.first_live_block(request.num_computed_tokens, self.block_size)
             table = request.block_tables[group]
@@ -223,8 +224,7 @@ class BlockManager:
                 self._release(request, group, index)
                 table[index] = self.null_block
 
-    def _cache_computed(self, request: Request, group: int) -> None:
-        hashes = self.block_hashes(request)
+    def _cache_computed(self, request: Request, group: int, hashes: list[bytes]) -> None:
         table = request.block_tables[group]
         num_full = min(request.num_computed_tokens // self.block_size, len(hashes))
         for index in range(num_full - 1, -1, -1):  # walk back to the last cached block

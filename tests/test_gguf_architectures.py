@@ -15,6 +15,7 @@ from common.gguf_model import prepare_gguf
 from engine.weights.loader import load_model
 from tests.model_fixtures import TINY_LLAMA, build_tiny_hf_model
 from tests.test_engine import prompt_of
+from tests.test_gguf import permute_rotary
 from tests.test_model_parity import prefill_logits
 
 # transformers reads a Qwen3 GGUF's head size as its config's default (128), not the file's.
@@ -88,13 +89,6 @@ MORE_CASES = {
         "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
         "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
 }
-
-
-def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's q/k permutation for its Llama rope: HF's half-split pairs interleaved."""
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(
-        rows, cols)
 
 
 def gguf_tensors_of(hf_model: torch.nn.Module, architecture: str) -> dict[str, np.ndarray]:
