@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.triton_kernels import QueryRows
-from engine.block_manager import blocks_for
+from engine.kv_cache_groups import blocks_for
 from engine.platform.host_copy import int_tensor
 
 # Decode buckets (torch path): requests sorted by context length and padded per bucket.

@@ -34,7 +34,7 @@ from engine.attention.forward_context import forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.triton_backend import TritonBackend
 from engine.attention.triton_kernels import QueryRows
-from engine.block_manager import blocks_for
+from engine.kv_cache_groups import blocks_for
 
 logger = logging.getLogger(__name__)
 
