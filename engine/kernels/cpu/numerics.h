@@ -2,6 +2,7 @@
 // plain arithmetic that the compiler vectorizes.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -20,9 +21,12 @@ inline void store(uint16_t* dst, float x) {  // round to nearest even; NaN stays
   *dst = uint16_t(bits >> 16);
 }
 
-// exp(x), x clamped to [-87, 88]: the float range without denormals or infinities.
+// exp(x), x clamped to [-87, 88]: the float range without denormals or infinities. Built with
+// -fno-thread-jumps (build.py): with jump threading, g++ evaluates a caller's arithmetic for
+// each clamped case in every lane and blends; SiLU's x / (1 + exp(88)) lanes were denormals,
+// a microcode assist per vector, and the kernel ran 6x slower than torch's.
 inline float fast_exp(float x) {
-  x = x > -87.0f ? (x < 88.0f ? x : 88.0f) : -87.0f;
+  x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
