@@ -16,6 +16,7 @@ from engine.executor.kernel_choice import KernelChoice
 from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
 from engine.platform.host_copy import int_tensor
+from engine.platform.huge_pages import zeros_on_huge_pages
 from engine.scheduler import ScheduledChunk
 
 
@@ -122,8 +123,8 @@ class ModelRunner:
         self.workspace = Workspace()  # the step's logits: valid until the next step runs
         shape = model.kv_cache_shape(num_blocks + 1, block_size)
         # Zeroed, not empty: padded tails of blocks are read (and masked) by attention.
-        storage = [(torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device))
+        storage = [(zeros_on_huge_pages(shape, dtype, device),
+                    zeros_on_huge_pages(shape, dtype, device))
                    for _ in range(self.layout.group_size)]
         self.kv_caches = [storage[self.layout.place(layer)[1]]
                           for layer in range(model.num_layers)]

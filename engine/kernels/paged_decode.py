@@ -1,8 +1,9 @@
 """A small C++/OpenMP paged-decode kernel for the CPU (`kernels/cpu/paged_decode.cpp`): one
-query token per request attends over its blocks in place (no gather), with an fp32 softmax;
-and the step's KV write, one call copying each new token's heads into their cache rows. Built
-once by `engine.kernels.build` and loaded through ctypes; when it cannot be built, attention
-falls back to its torch path.
+query token per request attends over its blocks in place (no gather), with an fp32 softmax
+(bf16 caches on a CPU with AMX: scores and weighted values as tile products; `LOOM_CPU_AMX=0`
+keeps them in vector registers); and the step's KV write, one call copying each new token's
+heads into their cache rows. Built once by `engine.kernels.build` and loaded through ctypes;
+when it cannot be built, attention falls back to its torch path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels.build import FLOAT, I64, INT, PTR, load_library
+from engine.kernels.build import FLOAT, I64, INT, PTR, kernel_enabled, load_library
 
 if TYPE_CHECKING:
     from engine.attention.metadata import DecodeBatch
@@ -40,8 +41,8 @@ def run_paged_decode(
         int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
         batch.row_index.data_ptr(), batch.size, q.shape[1], k_cache.shape[1], k_cache.shape[2],
-        q.shape[2], scale, window or 0, softcap or 0.0, out.data_ptr(),
-        torch.get_num_threads(),
+        q.shape[2], scale, window or 0, softcap or 0.0, int(kernel_enabled("LOOM_CPU_AMX")),
+        out.data_ptr(), torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"paged decode kernel refused its arguments ({status})")
@@ -72,7 +73,7 @@ def load_cpp_library() -> ctypes.CDLL | None:
     return load_library("paged_decode", "the torch path", {
         "loom_write_kv": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, I64], None),
         "loom_paged_decode": ([INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64,
-                               I64, FLOAT, I64, FLOAT, PTR, INT], ctypes.c_int),
+                               I64, FLOAT, I64, FLOAT, INT, PTR, INT], ctypes.c_int),
     })
 
 

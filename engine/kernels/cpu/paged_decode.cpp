@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,6 +33,7 @@ inline void prefetch_l2(const void* ptr, int64_t bytes) {
 // docs/benchmarks.md, "Decode attention: an L2 prefetch window").
 constexpr int64_t kPrefetchL2Bytes = 128 << 10;
 constexpr int64_t kPrefetchAhead = 4;  // blocks into L1
+constexpr int64_t kHeadPrefetchBlocks = 2;  // the AVX-512 path's distance, in blocks
 
 inline int64_t l2_window(int64_t span) {  // blocks of K (and as many of V) in the window
   return std::max<int64_t>(1, kPrefetchL2Bytes / (2 * span));
@@ -105,6 +108,7 @@ struct Task {
   float scale;
   int64_t first;
   float softcap;
+  bool tiles;  // AMX may be used, where the CPU has it
 };
 
 inline float capped(float s, float softcap) {
@@ -220,14 +224,244 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 }
 
 #if defined(__AVX512F__)
-// AVX-512: head_dim a multiple of 16 and the group fixed at compile time, so the scaled
-// query rows and the output accumulators stay in registers and each K/V row is loaded and
-// widened to fp32 once for the whole group.
+// AVX-512: head_dim 64 or 128 and the group fixed at compile time. Scores come 16 tokens at
+// a time: each token's dot product as a vector of 16 partial sums (bf16 pairs through
+// vdpbf16ps where the CPU has it, fp32 FMAs elsewhere), then 16 such vectors folded into one
+// vector of the 16 scores, with no horizontal sum per token. Values are widened to fp32 32
+// at a time (even elements, then odd: two instructions), the output accumulators in
+// registers. Blocks must hold a multiple of 16 tokens: a block's last tokens past the
+// context are read (inside the block) and masked out.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
+
+// Four tokens' vectors of partial sums -> one vector whose 128-bit lane L holds the four
+// tokens' sums of their lane-L elements, in token order.
+inline __m512 fold4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+}
+
+// Adds 128-bit lanes pairwise: [x0 + x1, x2 + x3, y0 + y1, y2 + y3].
+inline __m512 fold_lanes(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Four fold4 results (tokens 0-3, 4-7, 8-11, 12-15) -> the 16 tokens' whole sums, in order.
+inline __m512 fold16(const __m512 quads[4]) {
+  return fold_lanes(fold_lanes(quads[0], quads[1]), fold_lanes(quads[2], quads[3]));
+}
+
+// One query head's dot products with 16 key rows, `partial(row)` giving a row's vector of
+// partial sums.
+template <typename Partial>
+inline __m512 dots16(Partial partial) {
+  __m512 quads[4];
+  for (int quad = 0; quad < 4; ++quad)
+    quads[quad] = fold4(partial(4 * quad), partial(4 * quad + 1), partial(4 * quad + 2),
+                        partial(4 * quad + 3));
+  return fold16(quads);
+}
+
+template <int kDim>
+inline __m512 dots16(const float* keys, const float* query) {
+  return dots16([&](int row) {
+    const float* k = keys + row * kDim;
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(k));
+    for (int i = 1; i < kDim / 16; ++i)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * i), _mm512_loadu_ps(k + 16 * i), acc);
+    return acc;
+  });
+}
+
+template <int kDim>
+inline __m512 dots16(const uint16_t* keys, const uint16_t* query) {
+#if defined(__AVX512BF16__)
+  __m512bh qv[kDim / 32];
+  for (int c = 0; c < kDim / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
+  return dots16([&](int row) {
+    const uint16_t* k = keys + row * kDim;
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < kDim / 32; ++c)
+      acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return acc;
+  });
+#else
+  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+  return dots16([&](int row) {
+    const uint16_t* k = keys + row * kDim;
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < kDim / 32; ++c) {
+      const __m512i kr = _mm512_loadu_si512(k + 32 * c), qr = _mm512_loadu_si512(query + 32 * c);
+      acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(qr, 16)),
+                            _mm512_castsi512_ps(_mm512_slli_epi32(kr, 16)), acc);
+      acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(qr, high)),
+                            _mm512_castsi512_ps(_mm512_and_si512(kr, high)), acc);
+    }
+    return acc;
+  });
+#endif
+}
+
+// kDim / 16 fp32 vectors of one cache row. bf16 rows come as (even elements, odd elements)
+// per 32: the accumulators hold dims in that order, and `dim_at` undoes it.
+template <int kDim>
+inline void load_row(const float* p, __m512* out) {
+  for (int i = 0; i < kDim / 16; ++i) out[i] = _mm512_loadu_ps(p + 16 * i);
+}
+template <int kDim>
+inline void load_row(const uint16_t* p, __m512* out) {
+  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+  for (int c = 0; c < kDim / 32; ++c) {
+    const __m512i raw = _mm512_loadu_si512(p + 32 * c);
+    out[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    out[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+  }
+}
+inline int64_t dim_at(const float*, int64_t i) { return i; }
+inline int64_t dim_at(const uint16_t*, int64_t i) {
+  const int64_t chunk = i / 32, j = i % 32;
+  return 32 * chunk + (j < 16 ? 2 * j : 2 * (j - 16) + 1);
+}
+
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Intel Sapphire Rapids on): a block's scores for one KV head as one tile product,
+// C[16 tokens][group] = K[16][kDim] . Q^T, K's rows loaded as they lie in the cache and Q^T
+// laid out once per task as the bf16 pairs the tile multiply takes. Same products and fp32
+// sums as vdpbf16ps, in tiles.
+#define LOOM_AMX_SCORES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux hands out the tile registers' state only to a process that asks (once).
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row, per tile
+  uint8_t rows[16] = {};
+};
+
+// Score tiles: 0 = 16 key rows of 32 dims, 1 = Q^T for those 32 dims, 2 = the scores.
+template <int kDim, int kGroup>
+struct AmxScores {
+  static constexpr int kChunks = kDim / 32;
+  static constexpr int64_t kHeadWords = kChunks * 16 * kGroup;
+  uint32_t* qt;  // [head][dim chunk][dim pair][query head], from the thread's scratch
+  alignas(64) float tile[16][16];
+
+  // Q^T of the task's KV heads' query rows (bf16 [heads][kGroup][kDim]); loads this
+  // thread's tile shapes.
+  AmxScores(const uint16_t* query, int64_t heads, std::vector<uint32_t>& scratch) {
+    scratch.resize(heads * kHeadWords);
+    qt = scratch.data();
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(query);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int c = 0; c < kChunks; ++c)
+        for (int p = 0; p < 16; ++p)
+          for (int g = 0; g < kGroup; ++g)
+            qt[((h * kChunks + c) * 16 + p) * kGroup + g] =
+                pairs[(h * kGroup + g) * (kDim / 2) + 16 * c + p];
+    TileConfig config;
+    config.rows[0] = 16, config.colsb[0] = 64;
+    config.rows[1] = 16, config.colsb[1] = 4 * kGroup;
+    config.rows[2] = 16, config.colsb[2] = 4 * kGroup;
+    _tile_loadconfig(&config);
+  }
+  ~AmxScores() { _tile_release(); }
+
+  // Head h's dot products with 16 key rows (kDim apart): query head g's scores in out[g].
+  void dots(const uint16_t* keys, int64_t h, __m512 out[kGroup]) {
+    _tile_zero(2);
+    for (int c = 0; c < kChunks; ++c) {
+      _tile_loadd(0, keys + 32 * c, kDim * 2);
+      _tile_loadd(1, qt + (h * kChunks + c) * 16 * kGroup, 4 * kGroup);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, tile, 64);
+    const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
+                                          64, 48, 32, 16, 0);
+    for (int g = 0; g < kGroup; ++g) out[g] = _mm512_i32gather_ps(rows, &tile[0][g], 4);
+  }
+
+  // Values on tiles too where their sums fit the tiles left: tile 0 = the weights of 16
+  // tokens (bf16, as the torch path rounds them), 1 = their value rows' 16 dims as token
+  // pairs, 2.. = the sums of each 16 dims, kept in tiles over a head's whole walk.
+  static constexpr bool kTiledValues = kDim == 64;
+  alignas(64) uint16_t weights[kGroup][16];
+  alignas(64) uint16_t pairs[kDim / 16][8][32];  // [16 dims][token pair][dim, token]
+
+  void load_value_tiles() {
+    TileConfig config;
+    config.rows[0] = kGroup, config.colsb[0] = 32;
+    config.rows[1] = 8, config.colsb[1] = 64;
+    for (int j = 0; j < kDim / 16; ++j) config.rows[2 + j] = kGroup, config.colsb[2 + j] = 64;
+    _tile_loadconfig(&config);
+  }
+
+  void zero_sums() {
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+  }
+
+  // The sums += the group's weights of `count` tokens (up to 16; rows `len` apart) times
+  // their value rows (kDim apart). Tokens past `count` weigh 0 and their rows are read as
+  // 0, whatever the block holds there.
+  void accumulate(const float* probs, int64_t len, int64_t count, const uint16_t* values) {
+    const __mmask16 live = lanes_below(count);
+    for (int g = 0; g < kGroup; ++g)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(weights[g]),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, probs + g * len)));
+    const __m512i zero = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t* first = values + 2 * i * kDim;
+      for (int c = 0; c < kDim / 32; ++c) {
+        const __m512i even = 2 * i < count ? _mm512_loadu_si512(first + 32 * c) : zero;
+        const __m512i odd = 2 * i + 1 < count ? _mm512_loadu_si512(first + kDim + 32 * c) : zero;
+        _mm512_store_si512(pairs[2 * c][i], _mm512_unpacklo_epi16(even, odd));
+        _mm512_store_si512(pairs[2 * c + 1][i], _mm512_unpackhi_epi16(even, odd));
+      }
+    }
+    _tile_loadd(0, weights, 32);
+    _tile_loadd(1, pairs[0], 64);
+    _tile_dpbf16ps(2, 0, 1);
+    _tile_loadd(1, pairs[1], 64);
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_loadd(1, pairs[2], 64);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(1, pairs[3], 64);
+    _tile_dpbf16ps(5, 0, 1);
+  }
+
+  void store_sums(float* acc) {
+    _tile_stored(2, acc, kDim * 4);
+    _tile_stored(3, acc + 16, kDim * 4);
+    _tile_stored(4, acc + 32, kDim * 4);
+    _tile_stored(5, acc + 48, kDim * 4);
+  }
+
+  // The dim at position i of acc: unpacking pairs of rows interleaves four dims of each
+  // 128-bit lane at a time, low halves first.
+  static int64_t dim_of(int64_t i) {
+    const int64_t j = i / 16, n = i % 16;
+    return 32 * (j / 2) + 8 * (n / 4) + 4 * (j % 2) + n % 4;
+  }
+};
+#endif
 
 template <typename T, int kDim, int kGroup>
 void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
@@ -249,45 +483,70 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   };
   const int64_t span = heads * block_elems * int64_t(sizeof(T));
   // The thread's reused scratch: no allocation per task.
-  scratch.resize(2 * heads * kRow + 2 * heads * kGroup);
-  float* query = scratch.data();  // [heads][kGroup][kDim], scaled
-  float* acc = query + heads * kRow;  // [heads][kGroup][kDim]
+  scratch.resize(heads * kRow + 2 * heads * kGroup);
+  float* acc = scratch.data();  // [heads][kGroup][kDim], dims in load_row's order
   float* maxes = acc + heads * kRow;  // [heads][kGroup]
   float* inv_sums = maxes + heads * kGroup;  // [heads][kGroup]
-  for (int64_t i = 0; i < heads * kRow; ++i) {
-    query[i] = to_float(q[a.head * kRow + i]) * a.scale;
-    acc[i] = 0.f;
-  }
+  std::fill(acc, acc + heads * kRow, 0.f);
   std::fill(maxes, maxes + heads * kGroup, -INFINITY);
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
+  const T* query = q + a.head * kRow;
+  const __m512 scale = _mm512_set1_ps(a.scale), minus_inf = _mm512_set1_ps(-INFINITY);
+
+  // A head's stretch of the block kHeadPrefetchBlocks ahead, fetched as that head's stretch
+  // of this block is read: the fetches spread evenly over the walk, never a burst that
+  // fills the core's miss buffers.
+  const int64_t head_bytes = block_elems * int64_t(sizeof(T));
+  auto ahead_of_head = [&](const T* cache, int64_t b, int64_t h) {
+    if (b + kHeadPrefetchBlocks < num_blocks)
+      prefetch(block_ptr(cache, b + kHeadPrefetchBlocks) + h * block_elems, head_bytes);
+  };
+  // Head h's scores over 16 key rows: tiles where the CPU has AMX, vectors elsewhere.
+  auto score_vectors = [&](const T* keys, int64_t h, __m512 out[kGroup]) {
+    for (int g = 0; g < kGroup; ++g) out[g] = dots16<kDim>(keys, query + (h * kGroup + g) * kDim);
+  };
+#if defined(LOOM_AMX_SCORES)
+  thread_local std::vector<uint32_t> qt_scratch;
+  std::optional<AmxScores<kDim, kGroup>> tiles;
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (a.tiles && amx_permitted()) tiles.emplace(query, heads, qt_scratch);
+  auto score_rows = [&](const T* keys, int64_t h, __m512 out[kGroup]) {
+    if constexpr (std::is_same_v<T, uint16_t>)
+      if (tiles) return tiles->dots(keys, h, out);
+    score_vectors(keys, h, out);
+  };
+#else
+  auto& score_rows = score_vectors;
+#endif
 
   const auto ahead = block_prefetch<T>(table, num_blocks, span, block_ptr);
   ahead.l2_window_of(k_cache, v_cache);
   ahead.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    ahead.past(k_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
+    const int64_t t0 = b == 0 ? head_start : 0;  // before it: outside the window
     for (int64_t h = 0; h < heads; ++h) {
+      ahead_of_head(k_cache, b, h);
       const T* keys = block_ptr(k_cache, b) + h * block_elems;
-      __m512 qv[kGroup][kVecs];
-      for (int g = 0; g < kGroup; ++g)
-        for (int i = 0; i < kVecs; ++i)
-          qv[g][i] = _mm512_loadu_ps(query + h * kRow + g * kDim + 16 * i);
-      float* sh = s + h * kGroup * len;
+      float* sh = s + h * kGroup * len + start;
       float* mh = maxes + h * kGroup;
-      const int64_t t0 = b == 0 ? head_start : 0;
-      for (int g = 0; g < kGroup; ++g)
-        std::fill(sh + g * len + start, sh + g * len + start + t0, -INFINITY);
-      for (int64_t t = t0; t < count; ++t) {
-        __m512 key[kVecs];
-        for (int i = 0; i < kVecs; ++i) key[i] = load16(keys + t * kDim + 16 * i);
+      for (int64_t t = 0; t < count; t += 16) {
+        const __mmask16 live = lanes_below(count - t);
+        const __mmask16 seen = __mmask16(live & ~lanes_below(t0 - t));
+        __m512 dots[kGroup];
+        score_rows(keys + t * kDim, h, dots);
         for (int g = 0; g < kGroup; ++g) {
-          __m512 dot = _mm512_mul_ps(qv[g][0], key[0]);
-          for (int i = 1; i < kVecs; ++i) dot = _mm512_fmadd_ps(qv[g][i], key[i], dot);
-          const float score = capped(_mm512_reduce_add_ps(dot), a.softcap);
-          sh[g * len + start + t] = score;
-          mh[g] = std::max(mh[g], score);
+          dots[g] = _mm512_mul_ps(dots[g], scale);
+          if (a.softcap > 0.f) {
+            alignas(64) float capped_dots[16];
+            _mm512_store_ps(capped_dots, dots[g]);
+            for (float& dot : capped_dots) dot = capped(dot, a.softcap);
+            dots[g] = _mm512_load_ps(capped_dots);
+          }
+          dots[g] = _mm512_mask_blend_ps(seen, minus_inf, dots[g]);
+          _mm512_mask_storeu_ps(sh + g * len + t, live, dots[g]);
+          if (seen) mh[g] = std::max(mh[g], _mm512_mask_reduce_max_ps(seen, dots[g]));
         }
       }
     }
@@ -296,10 +555,30 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   ahead.first_of(v_cache);
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
 
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    ahead.past(v_cache, b);
+  bool tiled_values = false;
+#if defined(LOOM_AMX_SCORES)
+  if constexpr (std::is_same_v<T, uint16_t> && AmxScores<kDim, kGroup>::kTiledValues)
+    if (tiles) {  // head by head, its sums in tiles over the whole walk
+      tiled_values = true;
+      tiles->load_value_tiles();
+      for (int64_t h = 0; h < heads; ++h) {
+        tiles->zero_sums();
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          ahead_of_head(v_cache, b, h);
+          const int64_t start = b * bs, count = std::min(bs, len - start);
+          const T* values = block_ptr(v_cache, b) + h * block_elems;
+          for (int64_t t = 0; t < count; t += 16)
+            tiles->accumulate(s + h * kGroup * len + start + t, len, count - t,
+                              values + t * kDim);
+        }
+        tiles->store_sums(acc + h * kRow);
+      }
+    }
+#endif
+  for (int64_t b = 0; b < num_blocks && !tiled_values; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h) {
+      ahead_of_head(v_cache, b, h);
       const T* values = block_ptr(v_cache, b) + h * block_elems;
       const float* sh = s + h * kGroup * len + start;
       float* ah = acc + h * kRow;
@@ -308,7 +587,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
         for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_loadu_ps(ah + g * kDim + 16 * i);
       for (int64_t t = 0; t < count; ++t) {
         __m512 value[kVecs];
-        for (int i = 0; i < kVecs; ++i) value[i] = load16(values + t * kDim + 16 * i);
+        load_row<kDim>(values + t * kDim, value);
         for (int g = 0; g < kGroup; ++g) {
           const __m512 p = _mm512_set1_ps(sh[g * len + t]);
           for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_fmadd_ps(p, value[i], av[g][i]);
@@ -323,7 +602,14 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
       const float inv = inv_sums[h * kGroup + g];
       const float* row = acc + h * kRow + g * kDim;
       T* dst = out + a.head * kRow + h * kRow + g * kDim;
-      for (int64_t d = 0; d < kDim; ++d) store(dst + d, row[d] * inv);
+#if defined(LOOM_AMX_SCORES)
+      if (tiled_values) {
+        for (int64_t i = 0; i < kDim; ++i)
+          store(dst + AmxScores<kDim, kGroup>::dim_of(i), row[i] * inv);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < kDim; ++i) store(dst + dim_at(dst, i), row[i] * inv);
     }
 }
 #endif
@@ -351,7 +637,8 @@ DecodeOne<T> simd_for_group(int64_t group) {
 }
 
 template <typename T>
-DecodeOne<T> pick_decode_one(int64_t dim, int64_t group) {
+DecodeOne<T> pick_decode_one(int64_t dim, int64_t group, int64_t block_size) {
+  if (block_size % 16 != 0) return decode_one<T, 0>;
   if (dim == 64) return simd_for_group<T, 64>(group);
   if (dim == 128) return simd_for_group<T, 128>(group);
   return decode_one<T, 0>;
@@ -362,8 +649,8 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
             const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
             const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
             int64_t block_size, int64_t dim, float scale, int64_t window, float softcap,
-            T* out, int threads) {
-  const DecodeOne<T> one = pick_decode_one<T>(dim, num_heads / num_kv_heads);
+            bool tiles, T* out, int threads) {
+  const DecodeOne<T> one = pick_decode_one<T>(dim, num_heads / num_kv_heads, block_size);
   // Enough requests to share out: one task per request, its heads read block by block. Few:
   // one task per (request, KV head), so every thread has work.
   const int64_t task_heads = n >= kRequestsPerThread * threads ? num_kv_heads : 1;
@@ -376,7 +663,8 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
       const int64_t r = item / tasks_per_request;
       const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[r] - window) : 0;
       const Task a{seq_lens[r], (item % tasks_per_request) * task_heads, task_heads,
-                   num_heads / num_kv_heads, num_kv_heads, block_size, scale, first, softcap};
+                   num_heads / num_kv_heads, num_kv_heads, block_size, scale, first, softcap,
+                   tiles};
       one(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride, dim, a,
           out + rows[r] * num_heads * dim, scores, tile);
     }
@@ -403,20 +691,20 @@ extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
                                  int64_t table_stride, const int64_t* seq_lens,
                                  const int64_t* rows, int64_t n, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t block_size, int64_t dim,
-                                 float scale, int64_t window, float softcap, void* out,
-                                 int threads) {
+                                 float scale, int64_t window, float softcap, int tiles,
+                                 void* out, int threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kMaxGroup ||
       dim > kMaxDim)
     return 1;
   if (is_bf16)
     decode(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_cache),
            static_cast<const uint16_t*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
+           num_heads, num_kv_heads, block_size, dim, scale, window, softcap, tiles != 0,
            static_cast<uint16_t*>(out), threads);
   else
     decode(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_cache),
            static_cast<const float*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
+           num_heads, num_kv_heads, block_size, dim, scale, window, softcap, tiles != 0,
            static_cast<float*>(out), threads);
   return 0;
 }

@@ -1,0 +1,54 @@
+"""The KV cache's allocation on 2 MiB pages (engine.platform.huge_pages)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.platform.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_page_kib(address: int) -> int:
+    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+    mapping_start = mapping_end = 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            mapping_start, mapping_end = start, end
+        elif head == "AnonHugePages:" and mapping_start <= address < mapping_end:
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_large_cache_is_zeroed_aligned_and_shaped() -> None:
+    shape = (2000, 3, 16, 64)  # 12 MB
+    cache = zeros_on_huge_pages(shape, torch.bfloat16, torch.device("cpu"))
+    assert cache.shape == shape and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert not cache.any()
+    assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
+    cache.fill_(1)  # all of it is writable memory of its own
+    assert cache.sum().item() == cache.numel()
+
+
+def test_a_small_tensor_is_an_ordinary_one() -> None:
+    small = zeros_on_huge_pages((4, 8), torch.float32, torch.device("cpu"))
+    assert small.shape == (4, 8) and not small.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's transparent huge pages")
+def test_the_kernel_backs_the_cache_with_huge_pages_where_it_gives_them() -> None:
+    setting = THP_SETTING.read_text() if THP_SETTING.exists() else "[never]"
+    cache = zeros_on_huge_pages((64 << 20,), torch.uint8, torch.device("cpu"))
+    plain = torch.zeros(64 << 20, dtype=torch.uint8)
+    if "[never]" in setting:  # nothing to ask for: both are plain pages
+        assert huge_page_kib(cache.data_ptr()) == 0
+    else:
+        assert huge_page_kib(cache.data_ptr()) >= 32 << 10
+        if "[madvise]" in setting:  # only what was asked for
+            assert huge_page_kib(plain.data_ptr()) == 0
