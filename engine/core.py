@@ -334,8 +334,9 @@ class EngineCore:
 
     def _execute(self, chunks: list[ScheduledChunk],
                  ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        samplers = [chunk.request for chunk in chunks if chunk.completes_sequence]
         try:
-            return self.runner.execute(chunks)
+            return self.runner.execute(chunks, not self.sampler.takes_raw_logits(samplers))
         except RuntimeError as error:
             if self.workers is not None:
                 self.workers.explain(error)  # RankDied when a tensor-parallel rank is gone

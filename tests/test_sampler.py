@@ -10,7 +10,7 @@ import torch
 from common.sampling import SamplingParams
 from engine.request import Request
 from engine.sampling.logits_processors import process_logits
-from engine.sampling.sampler import Sampler
+from engine.sampling.sampler import Sampler, first_max_index, greedy_tokens
 
 EOS = 0
 VOCAB = 12
@@ -162,3 +162,43 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch():
     alone = run(1)
     assert alone == run(16)
     assert len(set(alone)) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 49152, 49157])
+def test_greedy_rows_take_their_first_maximum_as_they_are(dtype: torch.dtype,
+                                                          width: int) -> None:
+    """The C++ argmax over raw rows equals torch's first-maximum rule, ties included (bf16
+    rounding makes many), in the vector body and the scalar tail."""
+    torch.manual_seed(width)
+    rows = (torch.randn(9, width) * 3).to(dtype)
+    rows[1] = 0.0  # all tied: index 0
+    if width > 1:
+        rows[2, -1] = 1e4  # the maximum in the tail (when width % 16)
+        rows[3, :] = -5.0
+        rows[3, width // 2] = rows[3, width - 1] = 7.0  # two maxima: the first wins
+    want = rows.float().max(dim=-1).indices
+    assert torch.equal(greedy_tokens(rows), want)
+    assert torch.equal(greedy_tokens(rows[:, :]), first_max_index(rows.float()))
+
+
+def test_greedy_rows_of_a_strided_view_are_read_in_place() -> None:
+    wide = torch.randn(4, 100)
+    view = wide[:, :64]  # rows 100 apart
+    assert torch.equal(greedy_tokens(view), view.max(dim=-1).indices)
+
+
+def test_plain_greedy_batches_skip_the_float32_copy_and_others_do_not() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    plain = [request(temperature=0.0), request(temperature=0.0)]
+    assert sampler.takes_raw_logits(plain)
+    for params in ({"temperature": 1.0}, {"temperature": 0.0, "logprobs": 2},
+                   {"temperature": 0.0, "logit_bias": {3: 5.0}},
+                   {"temperature": 0.0, "repetition_penalty": 1.2},
+                   {"temperature": 0.0, "min_tokens": 3}):
+        assert not sampler.takes_raw_logits([*plain, request(**params)]), params
+    raw = LOGITS.expand(2, -1).to(torch.bfloat16)
+    assert sampler.sample(raw, plain, frozenset([EOS])).token_ids == [5, 5]
+    # A bf16 batch that needs edits is widened first, never edited in bf16.
+    biased = [request(temperature=0.0, logit_bias={8: 100.0}), request(temperature=0.0)]
+    assert sampler.sample(raw, biased, frozenset([EOS])).token_ids == [8, 5]

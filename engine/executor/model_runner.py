@@ -150,15 +150,17 @@ class ModelRunner:
             self.forward(zeros, zeros, self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Runs the step; returns the chunks that sample a token and their float32 logits."""
+    def execute(self, chunks: list[ScheduledChunk], float32_logits: bool = True,
+                ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Runs the step; returns the chunks that sample a token and their float32 logits
+        (`float32_logits=False`: in the model's dtype where the model leaves them so)."""
         inputs = StepInputs.gather(chunks, self.block_size, self.layout.num_groups)
         if self.tensor_parallel:
             broadcast_step(inputs.pack())
-        return inputs.sampling_chunks, self.run(inputs)
+        return inputs.sampling_chunks, self.run(inputs, float32_logits)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, float32_logits: bool = True) -> torch.Tensor:
         """The step's forward; float32 logits of its sample rows (in the runner's buffer:
         read them before the next step)."""
         graphs = self.graphs
@@ -172,7 +174,7 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if len(inputs.sample_rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, int_tensor(inputs.sample_rows, self.device))
-        return self.model.compute_logits(hidden, self.workspace)
+        return self.model.compute_logits(hidden, self.workspace, float32_logits)
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         metadata = [self.attention.build_metadata(inputs.query_lens, inputs.seq_lens, tables,

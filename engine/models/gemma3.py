@@ -84,8 +84,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor,
-                       workspace: Workspace | None = None) -> torch.Tensor:
-        logits = super().compute_logits(hidden, workspace)
+    def compute_logits(self, hidden: torch.Tensor, workspace: Workspace | None = None,
+                       float32: bool = True) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
+        logits = super().compute_logits(hidden, workspace, float32 or cap is not None)
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

@@ -171,16 +171,19 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, rope, kv_cache)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor,
-                       workspace: Workspace | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, workspace: Workspace | None = None,
+                       float32: bool = True) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `forward`'s output that get sampled; in
         a buffer of `workspace` when given (the runner's, reused every step: a fresh
-        32 x 262k float32 tensor costs ~8 ms of page faults on the CPU)."""
+        32 x 262k float32 tensor costs ~8 ms of page faults on the CPU). `float32=False`:
+        the output projection's own (a greedy argmax needs no copy)."""
         hidden = self.model.norm(hidden)
         if self.lm_head is None:  # tied to the embedding
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
+        if not float32:
+            return logits
         if workspace is None:
             return logits.float()
         buffer = workspace.get("logits", logits.numel(), torch.float32, logits.device)

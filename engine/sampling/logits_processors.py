@@ -29,6 +29,13 @@ def process_logits(logits: torch.Tensor, requests: list[Request],
     return edited
 
 
+def edits_logits(request: Request) -> bool:
+    """Whether process_logits changes this request's row."""
+    sampling = request.sampling
+    return (needs_penalties(request) or bool(sampling.logit_bias)
+            or request.num_output_tokens < sampling.min_tokens or request.constraint is not None)
+
+
 def needs_penalties(request: Request) -> bool:
     sampling = request.sampling
     return (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from engine.kernels.sampling import argmax_rows, load_sampling
 from engine.platform.host_copy import device_tensor, download, int_tensor
 from engine.request import Request
-from engine.sampling.logits_processors import process_logits
+from engine.sampling.logits_processors import edits_logits, process_logits
 
 TokenLogprobs = list[Any]  # [chosen token logprob, [[top token id, logprob], ...]]
 
@@ -40,9 +41,21 @@ class Sampler:
             self.request_generators[request.request_id] = generator
         return generator
 
+    @staticmethod
+    def takes_raw_logits(requests: list[Request]) -> bool:
+        """Every row is a plain argmax (greedy, no edits, no logprobs): the logits need no
+        float32 copy."""
+        return all(request.sampling.greedy and request.sampling.logprobs is None
+                   and not edits_logits(request) for request in requests)
+
     def sample(self, logits: torch.Tensor, requests: list[Request],
                eos_token_ids: frozenset[int]) -> SampleResult:
-        """logits: raw float32 [len(requests), vocab]; one token id per request."""
+        """logits: raw [len(requests), vocab], float32 unless `takes_raw_logits(requests)`;
+        one token id per request."""
+        if self.takes_raw_logits(requests):
+            token_ids, = download(greedy_tokens(logits))
+            return SampleResult(list(map(int, token_ids)), [None] * len(requests))
+        logits = logits.float()
         processed = process_logits(logits, requests, eos_token_ids)
         greedy = [request.sampling.greedy for request in requests]
         sampled = first_max_index(processed)
@@ -139,6 +152,15 @@ class Sampler:
                    zip(top_ids[start:start + n], top_values[start:start + n], strict=True)]
             results[row] = [chosen[position], top]
         return results
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum: one C++ pass over the rows as they are on the CPU (bf16 or
+    fp32), torch's max elsewhere."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
+            and logits.stride(-1) == 1 and (library := load_sampling()) is not None:
+        return argmax_rows(library, logits)
+    return first_max_index(logits)
 
 
 def first_max_index(values: torch.Tensor) -> torch.Tensor:
