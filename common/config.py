@@ -7,9 +7,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1024**3
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
-# Measured on W1 against 2048 and 4096 (docs/benchmarks.md): lower TTFT, same throughput.
+# Measured on W1 against 2048 and 4096 (docs/benchmarks.md): lower TTFT, same throughput. The
+# engine's flag defaults to its machine's budget (engine.platform.machine), this where a
+# config is built by hand.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 
@@ -21,10 +22,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: CPU default or a fraction of free CUDA memory
+    kv_cache_memory: int | None = None  # bytes; None: from the machine (engine.platform.machine)
     num_kv_blocks: int | None = None  # overrides the count derived from kv_cache_memory
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS  # None: the machine's
     max_model_len: int | None = None  # None: the model's own limit
     batching: str = "continuous"  # continuous | static
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first, FCFS within a level)
@@ -50,7 +51,7 @@ class EngineConfig:
             raise ValueError("block_size must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be continuous or static, not {self.batching!r}")
@@ -126,15 +127,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="KV cache size in bytes (default: 1 GiB on CPU, "
-                             "80%% of free memory on CUDA)")
+                        help="KV cache size in bytes (default: on CPU a quarter of the "
+                             "available memory, 1-64 GiB; on CUDA 80%% of free memory)")
     engine.add_argument("--num-kv-blocks", type=int, default=None,
                         help="exact number of KV blocks (overrides --kv-cache-memory)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int,
-                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help="tokens per step, decodes and prefill chunks together "
-                             "(default %(default)s)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step, decodes and prefill chunks together (default: "
+                             "512 per core with native bf16, 256 without, 512-8192; 8192 on "
+                             "CUDA)")
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--batching", default="continuous", choices=["continuous", "static"])
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from common.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
+from common.config import DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
 from common.protocol import (
     AddRequest,
     Ready,
@@ -37,6 +38,7 @@ from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.kv_cache_groups import KVCacheLayout
 from engine.platform.cpu import choose_dtype
+from engine.platform.machine import Machine
 from engine.quantization.registry import quantization_summary
 from engine.request import Request
 from engine.sampling.grammar import Constraint, GrammarBuild, GrammarCompiler
@@ -91,8 +93,9 @@ class EngineCore:
         """`recorder`: how decode graphs are recorded; "auto" records CUDA graphs on a GPU
         unless --enforce-eager (tests on the CPU pass engine.executor.cuda_graphs.EagerReplay).
         With --tensor-parallel-size N this process is rank 0 and starts ranks 1..N-1."""
-        self.config = config
         self.device = choose_device(config.device)
+        self.machine = Machine.detect()
+        self.config = config = self._take_machine_defaults(config)
         self.dtype = choose_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.workers = self._start_tensor_parallel(log_level)
@@ -201,6 +204,23 @@ class EngineCore:
         logger.info("decode graphs hold %.0f MiB, kept out of the KV cache", held / 2**20)
         return held
 
+    def _take_machine_defaults(self, config: EngineConfig) -> EngineConfig:
+        """The token budget and (on the CPU, one rank) the thread count from the machine
+        where the operator set none; one log line says which is which."""
+        taken = replace(config, max_num_batched_tokens=config.max_num_batched_tokens
+                        or self.machine.token_budget(self.device))
+        threads_set = "OMP_NUM_THREADS" in os.environ or config.tensor_parallel_size > 1
+        if self.device.type == "cpu" and not threads_set:
+            torch.set_num_threads(self.machine.threads)
+        kv = ("set" if config.kv_cache_memory or config.num_kv_blocks
+              else "80% of free CUDA memory" if self.device.type == "cuda"
+              else f"machine: {self.machine.kv_cache_bytes / 2**30:.1f} GiB at most")
+        logger.info("machine: %s; %d compute threads (%s), %d tokens per step (%s), KV cache "
+                    "size (%s)", self.machine.describe(), torch.get_num_threads(),
+                    "set" if threads_set else "machine", taken.max_num_batched_tokens,
+                    "set" if config.max_num_batched_tokens else "machine", kv)
+        return taken
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -209,7 +229,9 @@ class EngineCore:
             graph_bytes = self._graph_memory()
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION) - graph_bytes
-        budget = budget if budget is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        if budget is None:  # the machine's share, never more than every seat's whole context
+            seats = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+            budget = min(self.machine.kv_cache_bytes, seats * self._bytes_per_block)
         num_blocks = budget // self._bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no block "

@@ -13,15 +13,15 @@ from engine.platform.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def huge_page_kib(address: int) -> int:
-    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+def mapping_kib(address: int, field: str) -> int:
+    """A field (Rss, AnonHugePages) of the mapping holding `address`, from /proc/self/smaps."""
     mapping_start = mapping_end = 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(part, 16) for part in head.split("-"))
             mapping_start, mapping_end = start, end
-        elif head == "AnonHugePages:" and mapping_start <= address < mapping_end:
+        elif head == f"{field}:" and mapping_start <= address < mapping_end:
             return int(line.split()[1])
     return 0
 
@@ -41,14 +41,23 @@ def test_a_small_tensor_is_an_ordinary_one() -> None:
     assert small.shape == (4, 8) and not small.any()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")
+def test_a_cache_takes_memory_only_as_it_is_used() -> None:
+    cache = zeros_on_huge_pages((256 << 20,), torch.uint8, torch.device("cpu"))
+    assert mapping_kib(cache.data_ptr(), "Rss") < 8 << 10  # not written: not resident
+    cache[: 16 << 20].fill_(1)
+    assert 16 << 10 <= mapping_kib(cache.data_ptr(), "Rss") < 64 << 10
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's transparent huge pages")
 def test_the_kernel_backs_the_cache_with_huge_pages_where_it_gives_them() -> None:
     setting = THP_SETTING.read_text() if THP_SETTING.exists() else "[never]"
     cache = zeros_on_huge_pages((64 << 20,), torch.uint8, torch.device("cpu"))
-    plain = torch.zeros(64 << 20, dtype=torch.uint8)
+    cache.fill_(1)
+    plain = torch.ones(64 << 20, dtype=torch.uint8)
     if "[never]" in setting:  # nothing to ask for: both are plain pages
-        assert huge_page_kib(cache.data_ptr()) == 0
+        assert mapping_kib(cache.data_ptr(), "AnonHugePages") == 0
     else:
-        assert huge_page_kib(cache.data_ptr()) >= 32 << 10
+        assert mapping_kib(cache.data_ptr(), "AnonHugePages") >= 32 << 10
         if "[madvise]" in setting:  # only what was asked for
-            assert huge_page_kib(plain.data_ptr()) == 0
+            assert mapping_kib(plain.data_ptr(), "AnonHugePages") == 0

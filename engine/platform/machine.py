@@ -1,0 +1,90 @@
+"""What the engine takes from the machine when the operator sets nothing: compute threads,
+the KV cache's size and the step's token budget, from its cores, memory and CPU flags.
+
+- Threads: every core this process may run on (its affinity: a data-parallel engine keeps to
+  its slice); from 8 cores on, one is left to the frontend's tokenizing and HTTP.
+- KV cache: a quarter of the memory available at start (the host's, or the cgroup's where it
+  is smaller), in proportion to this process's share of the host's cores (data-parallel engines
+  split it), at least 1 GiB and at most 64 GiB. The cache's pages are taken as blocks are used
+  (engine.platform.huge_pages), so a large default costs nothing until the load needs it.
+- Token budget: 512 tokens per core with native bf16 (AVX512-BF16 or AMX), 256 without (fp32
+  GEMMs run at about a third of the rate: ../PERF-NOTES), between 512 and 8192. On the 2-core
+  AMX machine that is 1,024, the budget W1 measured best (docs/benchmarks.md). On CUDA:
+  vLLM's online-serving default, 8,192.
+OMP_NUM_THREADS, --kv-cache-memory / --num-kv-blocks and --max-num-batched-tokens override
+each; the engine logs what it took and why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.platform.cpu import cpu_flags
+
+GIB = 1024**3
+KV_SHARE_OF_MEMORY = 0.25
+KV_BYTES_RANGE = (1 * GIB, 64 * GIB)
+TOKENS_PER_CORE = {True: 512, False: 256}  # by native bf16
+TOKEN_BUDGET_RANGE = (512, 8192)
+CUDA_TOKEN_BUDGET = 8192
+CORES_FOR_THE_FRONTEND_FROM = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    cores: int  # the cores this process may run on
+    host_cores: int
+    available_memory: int  # bytes
+    native_bf16: bool
+
+    @classmethod
+    def detect(cls) -> Machine:
+        flags = cpu_flags()
+        host_cores = os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host_cores
+        return cls(cores, host_cores, available_memory(),
+                   bool(flags & {"avx512_bf16", "amx_bf16"}))
+
+    @property
+    def threads(self) -> int:
+        return self.cores - 1 if self.cores >= CORES_FOR_THE_FRONTEND_FROM else self.cores
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        share = KV_SHARE_OF_MEMORY * self.available_memory * self.cores / self.host_cores
+        low, high = KV_BYTES_RANGE
+        return int(min(max(share, low), high))
+
+    def token_budget(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            return CUDA_TOKEN_BUDGET
+        low, high = TOKEN_BUDGET_RANGE
+        return min(max(TOKENS_PER_CORE[self.native_bf16] * self.cores, low), high)
+
+    def describe(self) -> str:
+        return (f"{self.cores} of {self.host_cores} cores, "
+                f"{self.available_memory / GIB:.1f} GiB available, "
+                f"{'native' if self.native_bf16 else 'no native'} bf16")
+
+
+def available_memory() -> int:
+    """MemAvailable, or what the cgroup still allows where that is less (0 when unknown)."""
+    available = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return available
+    if limit.isdigit():
+        return min(available, max(int(limit) - used, 0)) if available else int(limit) - used
+    return available
