@@ -316,7 +316,7 @@ WINDOW_IMPLS = [pytest.param(case, impl, dtype, id=f"{case.name}-{impl}-{name}")
                     ("cpp_vectors", torch.bfloat16, "bf16"))]
 
 
-@pytest.mark.parametrize("window", [1, 7, 16, 45])
+@pytest.mark.parametrize("window", [1, 7, 16, 45, 70])
 @pytest.mark.parametrize(("case", "impl", "dtype"), WINDOW_IMPLS)
 def test_a_sliding_window_matches_the_reference(case: Case, impl: str, dtype: torch.dtype,
                                                 window: int,

@@ -347,6 +347,10 @@ inline bool amx_permitted() {
   return permitted;
 }
 
+// Shorter contexts (a prefill chunk's first rows, most of all) stay in vector registers: the
+// tiles' setup per task costs more than they save below this (bench.decode_bandwidth).
+constexpr int64_t kTilesFromTokens = 64;
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -510,7 +514,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   thread_local std::vector<uint32_t> qt_scratch;
   std::optional<AmxScores<kDim, kGroup>> tiles;
   if constexpr (std::is_same_v<T, uint16_t>)
-    if (a.tiles && amx_permitted()) tiles.emplace(query, heads, qt_scratch);
+    if (a.tiles && len >= kTilesFromTokens && amx_permitted())
+      tiles.emplace(query, heads, qt_scratch);
   auto score_rows = [&](const T* keys, int64_t h, __m512 out[kGroup]) {
     if constexpr (std::is_same_v<T, uint16_t>)
       if (tiles) return tiles->dots(keys, h, out);
