@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.platform.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
+from engine.platform.huge_pages import HUGE_PAGE_BYTES, populate, zeros_on_huge_pages
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -61,3 +61,13 @@ def test_the_kernel_backs_the_cache_with_huge_pages_where_it_gives_them() -> Non
         assert mapping_kib(cache.data_ptr(), "AnonHugePages") >= 32 << 10
         if "[madvise]" in setting:  # only what was asked for
             assert mapping_kib(plain.data_ptr(), "AnonHugePages") == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")
+def test_populate_touches_the_first_bytes_and_keeps_the_values() -> None:
+    cache = zeros_on_huge_pages((64 << 20,), torch.uint8, torch.device("cpu"))
+    cache[5] = 7
+    populate(cache, 8 << 20)
+    resident = mapping_kib(cache.data_ptr(), "Rss")
+    assert 8 << 10 <= resident < 16 << 10
+    assert cache[5].item() == 7 and cache[:8 << 20].sum().item() == 7

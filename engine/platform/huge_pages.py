@@ -6,8 +6,10 @@ arrives; on 2 MiB pages one TLB entry covers hundreds of blocks (docs/benchmarks
 attention on AMX and 2 MiB pages"). Linux gives anonymous memory huge pages only where asked
 (`transparent_hugepage` = madvise, the common default), so the cache is its own anonymous
 mapping, advised before its pages are first touched. A fresh mapping reads as zeros without
-being written: a large cache costs nothing at start and takes memory as blocks are used.
-Elsewhere it is an ordinary zeroed tensor.
+being written: a large cache takes memory as blocks are used. A page's first touch is dear,
+though (on the 2-vCPU VM of docs/benchmarks.md, ~2 ms per 2 MiB page: a decode step that
+opened new blocks in every layer's cache paid ~15 ms), so `populate` touches the blocks the
+pool hands out first at start. Elsewhere the cache is an ordinary zeroed tensor.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
+PAGE_BYTES = 4096
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
@@ -34,3 +37,11 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while it lives
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def populate(tensor: torch.Tensor, nbytes: int) -> None:
+    """Touches the first `nbytes` of a CPU tensor's pages (their values are kept)."""
+    if tensor.device.type != "cpu" or nbytes <= 0:
+        return
+    flat = tensor.view(-1).view(torch.uint8)[:nbytes]
+    flat[::PAGE_BYTES].add_(0)  # one write per page: the kernel maps (and zeroes) each once
