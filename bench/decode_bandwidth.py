@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import platform
 import random
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from bench.attention import median_ms
 from engine.attention.metadata import DecodeBatch
 from engine.kernels.paged_decode import load_cpp_decode, run_paged_decode
 from engine.platform.cpu import kernel_flags
@@ -45,16 +43,6 @@ def scattered_batch(batch: int, context: int, block_size: int,
     return decodes, len(blocks)
 
 
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def measure(batch: int, context: int, dtype: torch.dtype, block_size: int, layers: int,
             repeats: int, plain_pages: bool) -> tuple[float, float, float]:
     """(kernel ms per layer, kernel GB/s, streaming-read GB/s)."""
@@ -75,8 +63,8 @@ def measure(batch: int, context: int, dtype: torch.dtype, block_size: int, layer
     read_bytes = sum(cache.numel() * cache.element_size() for pair in caches for cache in pair)
     # The same bytes in fp32 tensors: sum() reads each element once.
     streamed = [tensor[: tensor.numel() * dtype.itemsize // 4] for tensor in flat]
-    kernel_s = median_s(step, repeats)
-    stream_s = median_s(lambda: [tensor.sum() for tensor in streamed], repeats)
+    kernel_s = median_ms(step, repeats) / 1e3
+    stream_s = median_ms(lambda: [tensor.sum() for tensor in streamed], repeats) / 1e3
     return kernel_s / layers * 1e3, read_bytes / kernel_s / 1e9, read_bytes / stream_s / 1e9
 
 
