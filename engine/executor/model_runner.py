@@ -15,6 +15,7 @@ from engine.executor.cuda_graphs import DecodeGraphs, Recorder
 from engine.executor.kernel_choice import KernelChoice
 from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
+from engine.layers.pinned_attributes import pin_attributes
 from engine.platform.host_copy import int_tensor
 from engine.platform.huge_pages import populate, zeros_on_huge_pages
 from engine.scheduler import ScheduledChunk
@@ -121,6 +122,8 @@ class ModelRunner:
         assign_kv_groups(model, self.layout)
         self.kernels = KernelChoice.choose(model, device, dtype, block_size, compiled)
         self.kernels.bind(model)
+        if not compiled:  # inductor traces the modules as nn.Module keeps them
+            pin_attributes(model)
         self.attention = self.kernels.attention
         self.tensor_parallel = tensor_parallel
         self.block_size = block_size
