@@ -336,7 +336,7 @@ inline int64_t dim_at(const uint16_t*, int64_t i) {
 // C[16 tokens][group] = K[16][kDim] . Q^T, K's rows loaded as they lie in the cache and Q^T
 // laid out once per task as the bf16 pairs the tile multiply takes. Same products and fp32
 // sums as vdpbf16ps, in tiles.
-#define LOOM_AMX_SCORES 1
+#define LOOM_AMX_TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -360,7 +360,7 @@ struct alignas(64) TileConfig {
 
 // Score tiles: 0 = 16 key rows of 32 dims, 1 = Q^T for those 32 dims, 2 = the scores.
 template <int kDim, int kGroup>
-struct AmxScores {
+struct DecodeTiles {
   static constexpr int kChunks = kDim / 32;
   static constexpr int64_t kHeadWords = kChunks * 16 * kGroup;
   uint32_t* qt;  // [head][dim chunk][dim pair][query head], from the thread's scratch
@@ -368,7 +368,7 @@ struct AmxScores {
 
   // Q^T of the task's KV heads' query rows (bf16 [heads][kGroup][kDim]); loads this
   // thread's tile shapes.
-  AmxScores(const uint16_t* query, int64_t heads, std::vector<uint32_t>& scratch) {
+  DecodeTiles(const uint16_t* query, int64_t heads, std::vector<uint32_t>& scratch) {
     scratch.resize(heads * kHeadWords);
     qt = scratch.data();
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(query);
@@ -384,7 +384,7 @@ struct AmxScores {
     config.rows[2] = 16, config.colsb[2] = 4 * kGroup;
     _tile_loadconfig(&config);
   }
-  ~AmxScores() { _tile_release(); }
+  ~DecodeTiles() { _tile_release(); }
 
   // Head h's dot products with 16 key rows (kDim apart): query head g's scores in out[g].
   void dots(const uint16_t* keys, int64_t h, __m512 out[kGroup]) {
@@ -499,8 +499,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   const __m512 scale = _mm512_set1_ps(a.scale), minus_inf = _mm512_set1_ps(-INFINITY);
 
   // A head's stretch of the block kHeadPrefetchBlocks ahead, fetched as that head's stretch
-  // of this block is read: the fetches spread evenly over the walk, never a burst that
-  // fills the core's miss buffers.
+  // of this block is read, spread over the walk (measured within noise of fetching a whole
+  // block's span at a time; 1-8 blocks ahead, into L1 or L2, made no difference).
   const int64_t head_bytes = block_elems * int64_t(sizeof(T));
   auto ahead_of_head = [&](const T* cache, int64_t b, int64_t h) {
     if (b + kHeadPrefetchBlocks < num_blocks)
@@ -510,9 +510,9 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   auto score_vectors = [&](const T* keys, int64_t h, __m512 out[kGroup]) {
     for (int g = 0; g < kGroup; ++g) out[g] = dots16<kDim>(keys, query + (h * kGroup + g) * kDim);
   };
-#if defined(LOOM_AMX_SCORES)
+#if defined(LOOM_AMX_TILES)
   thread_local std::vector<uint32_t> qt_scratch;
-  std::optional<AmxScores<kDim, kGroup>> tiles;
+  std::optional<DecodeTiles<kDim, kGroup>> tiles;
   if constexpr (std::is_same_v<T, uint16_t>)
     if (a.tiles && len >= kTilesFromTokens && amx_permitted())
       tiles.emplace(query, heads, qt_scratch);
@@ -561,8 +561,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
 
   bool tiled_values = false;
-#if defined(LOOM_AMX_SCORES)
-  if constexpr (std::is_same_v<T, uint16_t> && AmxScores<kDim, kGroup>::kTiledValues)
+#if defined(LOOM_AMX_TILES)
+  if constexpr (std::is_same_v<T, uint16_t> && DecodeTiles<kDim, kGroup>::kTiledValues)
     if (tiles) {  // head by head, its sums in tiles over the whole walk
       tiled_values = true;
       tiles->load_value_tiles();
@@ -607,10 +607,10 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
       const float inv = inv_sums[h * kGroup + g];
       const float* row = acc + h * kRow + g * kDim;
       T* dst = out + a.head * kRow + h * kRow + g * kDim;
-#if defined(LOOM_AMX_SCORES)
+#if defined(LOOM_AMX_TILES)
       if (tiled_values) {
         for (int64_t i = 0; i < kDim; ++i)
-          store(dst + AmxScores<kDim, kGroup>::dim_of(i), row[i] * inv);
+          store(dst + DecodeTiles<kDim, kGroup>::dim_of(i), row[i] * inv);
         continue;
       }
 #endif
