@@ -76,11 +76,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the engine's activations are [tokens, features] already
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], -1)
-        # `_dense_call` is `dense` held as a plain attribute, called through `.forward`:
-        # nn.Module's __getattr__ and __call__ cost on every use (the engine sets no hooks),
-        # and a decode step makes hundreds of these calls.
+        # `_dense_call` is `dense` held as a plain attribute: nn.Module's __getattr__ costs
+        # on every lookup, and a decode step makes hundreds of these calls.
         if x.shape[0] > self.kernel_rows and self._dense_call is not None:
-            return self._dense_call.forward(x)
+            return self._dense_call(x)
         y = self.product(x)
         return y if self.bias is None else y + self.bias
 
