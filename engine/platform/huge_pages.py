@@ -2,8 +2,8 @@
 
 Decode attention reads each request's blocks, scattered over the cache, a few KiB at a time.
 On 4 KiB pages nearly every block costs a TLB miss and a page walk before its first line
-arrives; on 2 MiB pages one TLB entry covers hundreds of blocks (docs/benchmarks.md, "Decode
-attention on AMX and 2 MiB pages"). Linux gives anonymous memory huge pages only where asked
+arrives; on 2 MiB pages one TLB entry covers hundreds of blocks (docs/benchmarks.md, "Issue
+27, first pass"). Linux gives anonymous memory huge pages only where asked
 (`transparent_hugepage` = madvise, the common default), so the cache is its own anonymous
 mapping, advised before its pages are first touched. A fresh mapping reads as zeros without
 being written: a large cache takes memory as blocks are used. A page's first touch is dear,

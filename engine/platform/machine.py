@@ -5,8 +5,8 @@ the KV cache's size and the step's token budget, from its cores, memory and CPU 
   its slice); from 8 cores on, one is left to the frontend's tokenizing and HTTP.
 - KV cache: a quarter of the memory available at start (the host's, or the cgroup's where it
   is smaller), in proportion to this process's share of the host's cores (data-parallel engines
-  split it), at least 1 GiB and at most 64 GiB. The cache's pages are taken as blocks are used
-  (engine.platform.huge_pages), so a large default costs nothing until the load needs it.
+  split it), at least 1 GiB and at most 64 GiB. Beyond its first 512 MiB, touched at start,
+  the cache's pages are taken as blocks are first used (engine.platform.huge_pages).
 - Token budget: 512 tokens per core with native bf16 (AVX512-BF16 or AMX), 256 without (fp32
   GEMMs run at about a third of the rate: ../PERF-NOTES), between 512 and 8192. On the 2-core
   AMX machine that is 1,024, the budget W1 measured best (docs/benchmarks.md). On CUDA:

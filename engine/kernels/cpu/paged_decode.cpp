@@ -233,8 +233,6 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 // at a time (even elements, then odd: two instructions), the output accumulators in
 // registers. Blocks must hold a multiple of 16 tokens: a block's last tokens past the
 // context are read (inside the block) and masked out.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
 inline __mmask16 lanes_below(int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
@@ -271,46 +269,6 @@ inline __m512 dots16(Partial partial) {
   return fold16(quads);
 }
 
-template <int kDim>
-inline __m512 dots16(const float* keys, const float* query) {
-  return dots16([&](int row) {
-    const float* k = keys + row * kDim;
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(k));
-    for (int i = 1; i < kDim / 16; ++i)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * i), _mm512_loadu_ps(k + 16 * i), acc);
-    return acc;
-  });
-}
-
-template <int kDim>
-inline __m512 dots16(const uint16_t* keys, const uint16_t* query) {
-#if defined(__AVX512BF16__)
-  __m512bh qv[kDim / 32];
-  for (int c = 0; c < kDim / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
-  return dots16([&](int row) {
-    const uint16_t* k = keys + row * kDim;
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < kDim / 32; ++c)
-      acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-    return acc;
-  });
-#else
-  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
-  return dots16([&](int row) {
-    const uint16_t* k = keys + row * kDim;
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < kDim / 32; ++c) {
-      const __m512i kr = _mm512_loadu_si512(k + 32 * c), qr = _mm512_loadu_si512(query + 32 * c);
-      acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(qr, 16)),
-                            _mm512_castsi512_ps(_mm512_slli_epi32(kr, 16)), acc);
-      acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(qr, high)),
-                            _mm512_castsi512_ps(_mm512_and_si512(kr, high)), acc);
-    }
-    return acc;
-  });
-#endif
-}
-
 // kDim / 16 fp32 vectors of one cache row. bf16 rows come as (even elements, odd elements)
 // per 32: the accumulators hold dims in that order, and `dim_at` undoes it.
 template <int kDim>
@@ -326,6 +284,34 @@ inline void load_row(const uint16_t* p, __m512* out) {
     out[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
   }
 }
+
+template <int kDim, typename T>
+inline __m512 dots16(const T* keys, const T* query) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {  // bf16 pairs multiplied as they lie
+    __m512bh qv[kDim / 32];
+    for (int c = 0; c < kDim / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
+    return dots16([&](int row) {
+      const uint16_t* k = keys + row * kDim;
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < kDim / 32; ++c)
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      return acc;
+    });
+  }
+#endif
+  // Query and key rows widened alike (bf16 in load_row's order): the sum is the same.
+  __m512 qv[kDim / 16];
+  load_row<kDim>(query, qv);
+  return dots16([&](int row) {
+    __m512 kv[kDim / 16];
+    load_row<kDim>(keys + row * kDim, kv);
+    __m512 acc = _mm512_mul_ps(qv[0], kv[0]);
+    for (int i = 1; i < kDim / 16; ++i) acc = _mm512_fmadd_ps(qv[i], kv[i], acc);
+    return acc;
+  });
+}
+
 inline int64_t dim_at(const float*, int64_t i) { return i; }
 inline int64_t dim_at(const uint16_t*, int64_t i) {
   const int64_t chunk = i / 32, j = i % 32;
