@@ -359,13 +359,13 @@ struct DecodeTiles {
   DecodeTiles(const uint16_t* query, int64_t heads, std::vector<uint32_t>& scratch) {
     scratch.resize(heads * kHeadWords);
     qt = scratch.data();
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(query);
+    const uint32_t* query_pairs = reinterpret_cast<const uint32_t*>(query);
     for (int64_t h = 0; h < heads; ++h)
       for (int c = 0; c < kChunks; ++c)
         for (int p = 0; p < 16; ++p)
           for (int g = 0; g < kGroup; ++g)
             qt[((h * kChunks + c) * 16 + p) * kGroup + g] =
-                pairs[(h * kGroup + g) * (kDim / 2) + 16 * c + p];
+                query_pairs[(h * kGroup + g) * (kDim / 2) + 16 * c + p];
     TileConfig config;
     config.rows[0] = 16, config.colsb[0] = 64;
     config.rows[1] = 16, config.colsb[1] = 4 * kGroup;
@@ -388,7 +388,8 @@ struct DecodeTiles {
     for (int g = 0; g < kGroup; ++g) out[g] = _mm512_i32gather_ps(rows, &tile[0][g], 4);
   }
 
-  // Values on tiles too where their sums fit the tiles left: tile 0 = the weights of 16
+  // Values on tiles too where their sums fit in the six tiles left (head_dim 64: four): a
+  // second tile configuration, loaded once the scores are done; tile 0 = the weights of 16
   // tokens (bf16, as the torch path rounds them), 1 = their value rows' 16 dims as token
   // pairs, 2.. = the sums of each 16 dims, kept in tiles over a head's whole walk.
   static constexpr bool kTiledValues = kDim == 64;
