@@ -19,6 +19,7 @@ from engine.attention.selector import select_attention_backend
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import paged_decode
 from engine.kernels.elementwise import rows_of_contiguous_heads
+from engine.kernels.paged_prefill import tiled_prefill_supports
 from engine.platform.cpu import native_bf16_matmul
 
 
@@ -374,3 +375,80 @@ def test_the_torch_backend_picks_its_decode_kernel_from_device_and_dtype(
     assert decode_kernel("cpu", torch.float32) == "matmul"
     assert decode_kernel("cpu", torch.float16) == "sdpa"  # no native fp16 GEMMs here
     assert decode_kernel("cpu", torch.bfloat16) == ("matmul" if native_bf16_matmul() else "sdpa")
+
+
+# The AMX prefill kernel: every case with a prefill chunk it can take (bf16, head_dim a
+# multiple of 32, 16-token blocks), every chunk of two rows and more sent to it.
+TILED_CASES = [
+    *(case for case in CASES if any(query_len > 1 for query_len, _ in case.requests)
+      and case.head_dim % 32 == 0 and case.block_size % 16 == 0),
+    Case("dim256_on_cache", ((1, 20), (40, 300), (17, 17)), num_heads=4, num_kv_heads=1,
+         head_dim=256),
+    Case("row_blocks_across_blocks", ((33, 33), (47, 130), (2, 2)), block_size=32),
+]
+has_amx_tiles = tiled_prefill_supports(torch.bfloat16, 64, 16)
+needs_amx = pytest.mark.skipif(not has_amx_tiles, reason="this CPU has no AMX tiles")
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("window", "softcap"),
+                         [(None, None), (7, None), (45, None), (None, 2.0), (16, 2.0)])
+@pytest.mark.parametrize("case", TILED_CASES, ids=lambda case: case.name)
+def test_the_amx_prefill_kernel_matches_the_reference(
+    case: Case, window: int | None, softcap: float | None, threads: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fresh chunks and chunks on cached blocks, row blocks cut short by a chunk's end, beside
+    decodes and beside each other; windows and caps."""
+    monkeypatch.setattr(attention_metadata, "TILED_PREFILL_MIN_TOKENS", 2)
+    backend = CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=True)
+    inputs = make_inputs(case, torch.bfloat16, seed=7)
+    if softcap is not None:
+        inputs.q.mul_(8)  # scores large enough for the cap to bend them
+    metadata = build(inputs, backend)
+    assert metadata.plan is not None and metadata.plan.tiled_prefills is not None
+    assert metadata.plan.tiled_prefills.size == sum(q_len > 1 for q_len in inputs.query_lens)
+    scale = case.head_dim**-0.5
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    write_kv(inputs.k, inputs.v, k_cache, v_cache, metadata.slot_mapping)
+    want = reference_attention(inputs.q, k_cache, v_cache, metadata, scale, window, softcap)
+    torch.set_num_threads(threads)
+    got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+                          inputs.v_cache.clone(), metadata, scale, window, softcap)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@needs_amx
+def test_the_amx_prefill_kernel_reads_queries_of_a_fused_qkv_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = next(c for c in CASES if c.name == "long_prefills_beside_short_ones")
+    backend = CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=True)
+    inputs = make_inputs(case, torch.bfloat16, seed=8)
+    heads, kv_heads, dim = case.num_heads, case.num_kv_heads, case.head_dim
+    qkv = torch.cat([inputs.q.flatten(1), inputs.k.flatten(1), inputs.v.flatten(1)], dim=1)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    metadata = build(inputs, backend)
+    want, _, _ = expected(inputs, metadata, 0.125)
+    got = backend.forward(q.view(-1, heads, dim), k.view(-1, kv_heads, dim),
+                          v.view(-1, kv_heads, dim), inputs.k_cache.clone(),
+                          inputs.v_cache.clone(), metadata, 0.125)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_long_prefills_go_to_the_amx_kernel_where_the_cpu_has_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def tiled(dtype: torch.dtype, dim: int = 64, block_size: int = 16) -> bool:
+        backend = select_attention_backend(torch.device("cpu"), dtype, 8, 2, dim, block_size)
+        return backend.tiled_prefill
+
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert tiled(torch.bfloat16) == ({"amx_tile", "amx_bf16"} <= flags)
+    assert tiled(torch.bfloat16, dim=128) == tiled(torch.bfloat16, dim=256) == has_amx_tiles
+    assert not tiled(torch.float32)  # the kernel multiplies bf16 tiles only
+    assert not tiled(torch.bfloat16, block_size=8)  # a tile's 16 key rows span two blocks
+    assert not tiled(torch.bfloat16, dim=48)  # a tile row holds 32 dims
+    monkeypatch.setenv("LOOM_CPU_AMX", "0")
+    assert not tiled(torch.bfloat16)

@@ -2,15 +2,16 @@
 
 The kernel reads the paged cache in place for every request with one new token ("decodes")
 and for every row of the prefill chunks up to KERNEL_PREFILL_MAX_TOKENS, each row a decode
-over its own causal prefix; the step's KV write is one C++ call. Longer prefill chunks keep
-the torch backend's SDPA paths, in the same step.
+over its own causal prefix; the step's KV write is one C++ call. Longer prefill chunks take
+the AMX prefill kernel (engine/kernels/cpu/paged_prefill.cpp) on bf16 caches where the CPU has
+tiles, and the torch backend's SDPA paths elsewhere, in the same step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import StepPlan
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels.elementwise import rows_of_contiguous_heads
 from engine.kernels.paged_decode import (
@@ -20,11 +21,18 @@ from engine.kernels.paged_decode import (
     run_paged_decode,
     run_write_kv,
 )
+from engine.kernels.paged_prefill import run_paged_prefill
 
 
 class CpuBackend(TorchBackend):
     name = "cpu-c++"
     uses_kernel = True
+
+    def __init__(self, block_size: int, num_kv_heads: int, tiled_prefill: bool = False) -> None:
+        """`tiled_prefill`: long prefill chunks take the AMX kernel (the selector checks
+        `tiled_prefill_supports` for the cache's dtype and shape)."""
+        super().__init__(block_size, num_kv_heads)
+        self.tiled_prefill = tiled_prefill
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -51,7 +59,12 @@ class CpuBackend(TorchBackend):
         run_write_kv(k, v, k_cache, v_cache, rows, max_row)
 
     def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           plan: StepPlan, scale: float, out: torch.Tensor,
+                           metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                            window: int | None, softcap: float | None) -> None:
+        plan = metadata.plan
+        assert plan is not None
         if plan.kernel_rows is not None:
             run_paged_decode(q, k_cache, v_cache, plan.kernel_rows, scale, out, window, softcap)
+        if plan.tiled_prefills is not None:
+            run_paged_prefill(q, k_cache, v_cache, plan.tiled_prefills, scale, out,
+                              metadata.workspace, window, softcap)

@@ -26,8 +26,11 @@ MAX_DECODE_BUCKETS = 4
 BUCKET_OVERHEAD_BLOCKS = 96
 # Prefill chunks up to this many tokens go through the C++ decode kernel too, each query row
 # as a decode over its own causal prefix: no masked rectangle on cached tokens (measured
-# faster than one SDPA call per short prompt). Longer fresh chunks keep SDPA's kernel.
+# faster than one SDPA call per short prompt). Longer chunks take SDPA.
 KERNEL_PREFILL_MAX_TOKENS = 512
+# Where the backend has the AMX prefill kernel, it takes every chunk of this many tokens and
+# more (16 query rows a tile; measured faster than rows and than SDPA from here on).
+TILED_PREFILL_MIN_TOKENS = 16
 
 
 class Workspace:
@@ -108,6 +111,26 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """Prefill chunks for the AMX prefill kernel: each chunk's rows over its whole context."""
+
+    chunks: list[PrefillChunk]
+    q_starts: torch.Tensor  # [n] int64: the chunks' first rows of q
+    query_lens: torch.Tensor  # [n] int64
+    seq_lens: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [n, max_blocks] int64
+    max_block: int
+
+    @property
+    def size(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def seq_len_list(self) -> list[int]:
+        return [chunk.seq_len for chunk in self.chunks]
+
+
+@dataclass(slots=True)
 class StepPlan:
     """Everything derivable from the metadata alone, shared by every layer of a step."""
 
@@ -116,7 +139,8 @@ class StepPlan:
     prefills: list[PrefillChunk]
     # The C++ kernel's rows: every decode, then every row of the short prefill chunks
     kernel_rows: DecodeBatch | None = None
-    kernel_prefills: frozenset[int] = frozenset()  # requests whose chunk is among them
+    tiled_prefills: PrefillBatch | None = None  # the long chunks, where the AMX kernel serves
+    kernel_prefills: frozenset[int] = frozenset()  # requests whose chunk is in either
 
     def kernel_covers(self, chunk: PrefillChunk) -> bool:
         return chunk.request in self.kernel_prefills
@@ -201,8 +225,10 @@ class AttentionMetadata:
 # ---------------------------------------------------------------- planning, once per step
 
 
-def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool) -> StepPlan:
-    """`kernel`: the C++ kernel takes every decode and every row of the short prefill chunks."""
+def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
+              tiled_prefill: bool = False) -> StepPlan:
+    """`kernel`: the C++ kernel takes every decode and every row of the short prefill chunks;
+    `tiled_prefill`: the AMX prefill kernel takes the longer ones."""
     query_lens = metadata.query_lens
     if metadata.block_tables.shape[1] * block_size < max(metadata.seq_lens, default=0):
         raise ValueError("block tables are narrower than the longest context")
@@ -212,11 +238,16 @@ def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool) -> Ste
     decodes = plan_decodes(metadata, decode_ids) if decode_ids else None
     if not kernel:
         return StepPlan(block_size, decodes, prefills)
-    short = [i for i in prefill_ids if query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS]
+    tiled_chunks = [chunk for chunk in prefills if tiled_prefill
+                    and chunk.end - chunk.start >= TILED_PREFILL_MIN_TOKENS]
+    tiled_ids = {chunk.request for chunk in tiled_chunks}
+    short = [i for i in prefill_ids
+             if query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS and i not in tiled_ids]
     kernel_rows = decodes
     if short:
         kernel_rows = plan_rows(metadata, decode_ids + short)
-    return StepPlan(block_size, decodes, prefills, kernel_rows, frozenset(short))
+    tiled = plan_prefill_batch(metadata, tiled_chunks) if tiled_chunks else None
+    return StepPlan(block_size, decodes, prefills, kernel_rows, tiled, frozenset(short) | tiled_ids)
 
 
 def plan_decodes(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
@@ -238,6 +269,20 @@ def plan_rows(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
     block_tables = metadata.block_tables.index_select(0, int_tensor(owners, device))
     return DecodeBatch(rows, seq_lens, int_tensor(rows, device), int_tensor(seq_lens, device),
                        block_tables, int(block_tables.max()))
+
+
+def plan_prefill_batch(metadata: AttentionMetadata, chunks: list[PrefillChunk]) -> PrefillBatch:
+    device = metadata.block_tables.device
+    requests = [chunk.request for chunk in chunks]
+    block_tables = metadata.block_tables.index_select(0, int_tensor(requests, device))
+    return PrefillBatch(
+        chunks=chunks,
+        q_starts=int_tensor([chunk.start for chunk in chunks], device),
+        query_lens=int_tensor([chunk.end - chunk.start for chunk in chunks], device),
+        seq_lens=int_tensor([chunk.seq_len for chunk in chunks], device),
+        block_tables=block_tables,
+        max_block=int(block_tables.max()),
+    )
 
 
 def causal_rows(metadata: AttentionMetadata, ids: Iterable[int],

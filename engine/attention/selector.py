@@ -1,7 +1,8 @@
 """The attention backend, chosen once at start-up from device, dtype, CPU and model shape.
 
 CUDA with triton installed (and power-of-two head dim and block size): Triton. A CPU where
-our C++ kernel builds and fits the heads: the C++ backend. Anything else: torch ops.
+our C++ kernel builds and fits the heads: the C++ backend (with the AMX prefill kernel for
+bf16 caches where the CPU has tiles). Anything else: torch ops.
 `LOOM_TRITON_ATTENTION=0` and `LOOM_CPP_DECODE=0` rule a kernel out (to compare, or to work
 around one).
 """
@@ -15,6 +16,7 @@ from engine.attention.cpu_backend import CpuBackend
 from engine.attention.torch_backend import TorchBackend, decode_kernel_for
 from engine.attention.triton_backend import TritonBackend
 from engine.kernels.build import kernel_enabled
+from engine.kernels.paged_prefill import tiled_prefill_supports
 
 
 def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads: int,
@@ -26,6 +28,7 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads
         return TritonBackend(block_size, num_kv_heads)
     if kernel_enabled("LOOM_CPP_DECODE") and CpuBackend.supports(device, dtype, num_heads,
                                                            num_kv_heads, head_dim):
-        return CpuBackend(block_size, num_kv_heads)
+        return CpuBackend(block_size, num_kv_heads,
+                          tiled_prefill_supports(dtype, head_dim, block_size))
     return TorchBackend(block_size, num_kv_heads, decode_kernel_for(device, dtype))
 

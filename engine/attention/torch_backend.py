@@ -36,6 +36,7 @@ DecodeKernel = Literal["matmul", "sdpa"]
 class TorchBackend(AttentionBackend):
     name = "torch"
     uses_kernel = False  # the C++ kernel serves the plan's kernel rows (see cpu_backend)
+    tiled_prefill = False  # ... and the AMX kernel its long prefill chunks
 
     def __init__(self, block_size: int, num_kv_heads: int,
                  decode_kernel: DecodeKernel = "matmul") -> None:
@@ -45,7 +46,8 @@ class TorchBackend(AttentionBackend):
         self.decode_kernel = decode_kernel
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        metadata.plan = plan_step(metadata, self.block_size, kernel=self.uses_kernel)
+        metadata.plan = plan_step(metadata, self.block_size, kernel=self.uses_kernel,
+                                  tiled_prefill=self.tiled_prefill)
         metadata.head_plans[self.num_kv_heads] = expand_for_heads(
             metadata.plan, metadata.slot_mapping, self.num_kv_heads, self.uses_kernel)
 
@@ -75,7 +77,7 @@ class TorchBackend(AttentionBackend):
                                           metadata.workspace)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.uses_kernel:
-            self.attend_kernel_rows(q, k_cache, v_cache, plan, scale, out, window, softcap)
+            self.attend_kernel_rows(q, k_cache, v_cache, metadata, scale, out, window, softcap)
         elif plan.decodes is not None:
             self.attend_decodes(q, out, plan, head_plan, keys, values, num_kv_heads, scale,
                                 window, softcap)
@@ -91,7 +93,7 @@ class TorchBackend(AttentionBackend):
         return out
 
     def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           plan: StepPlan, scale: float, out: torch.Tensor,
+                           metadata: AttentionMetadata, scale: float, out: torch.Tensor,
                            window: int | None, softcap: float | None) -> None:
         raise NotImplementedError("the torch backend has no kernel rows")
 

@@ -6,6 +6,7 @@
 // that scores 16 tokens at a time and keeps the output sums in registers; with AMX, bf16
 // caches of 64 tokens and more take tile products (DecodeTiles); elsewhere the compiler
 // vectorizes the plain loops.
+#include "amx.h"
 #include "numerics.h"
 
 #include <algorithm>
@@ -319,32 +320,15 @@ inline int64_t dim_at(const uint16_t*, int64_t i) {
 }
 
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// AMX (Intel Sapphire Rapids on): a block's scores for one KV head as one tile product,
-// C[16 tokens][group] = K[16][kDim] . Q^T, K's rows loaded as they lie in the cache and Q^T
-// laid out once per task as the bf16 pairs the tile multiply takes. Same products and fp32
-// sums as vdpbf16ps, in tiles.
-#define LOOM_AMX_TILES 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-// Linux hands out the tile registers' state only to a process that asks (once).
-inline bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                        18 /* XFEATURE_XTILEDATA */) == 0;
-  return permitted;
-}
+#if defined(LOOM_AMX_TILES)
+// AMX: a block's scores for one KV head as one tile product, C[16 tokens][group] =
+// K[16][kDim] . Q^T, K's rows loaded as they lie in the cache and Q^T laid out once per task
+// as the bf16 pairs the tile multiply takes. Same products and fp32 sums as vdpbf16ps, in
+// tiles.
 
 // Shorter contexts (a prefill chunk's first rows, most of all) stay in vector registers: the
 // tiles' setup per task costs more than they save below this (bench.decode_bandwidth).
 constexpr int64_t kTilesFromTokens = 64;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes per row, per tile
-  uint8_t rows[16] = {};
-};
 
 // Score tiles: 0 = 16 key rows of 32 dims, 1 = Q^T for those 32 dims, 2 = the scores.
 template <int kDim, int kGroup>

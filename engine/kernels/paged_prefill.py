@@ -1,0 +1,71 @@
+"""Prefill attention on AMX tiles (`kernels/cpu/paged_prefill.cpp`): each chunk's queries, 16
+rows at a time, over their causal context read in place from the paged bf16 cache, as flash
+attention (online softmax in fp32). Only where the CPU has AMX and Linux permits its tiles;
+`LOOM_CPU_AMX=0` turns it off (long chunks then take SDPA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kernels.build import FLOAT, I64, INT, PTR, kernel_enabled, load_library
+
+if TYPE_CHECKING:
+    from engine.attention.metadata import PrefillBatch, Workspace
+
+PREFILL_STEP_KEYS = 32  # the kernel pads each chunk's keys to this in its V^T scratch
+
+
+def tiled_prefill_supports(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """bf16 caches, head_dim a multiple of 32 up to 256, blocks of whole 16-token tiles, and
+    a kernel that builds and may use the tiles here."""
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+            and block_size % 16 == 0 and kernel_enabled("LOOM_CPU_AMX")
+            and load_cpp_prefill() is not None)
+
+
+def run_paged_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefillBatch,
+    scale: float, out: torch.Tensor, workspace: Workspace, window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Rows of `batch`'s chunks of q [T, H, D] into the same rows of out [T, H, D]."""
+    kernel = load_cpp_prefill()
+    assert kernel is not None
+    if not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16:
+        raise TypeError(f"tiled prefill of {q.dtype} queries over {k_cache.dtype} caches")
+    if batch.max_block >= k_cache.shape[0]:  # the kernel reads blocks without bounds checks
+        raise IndexError(f"block {batch.max_block} is outside a cache of {k_cache.shape[0]}")
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    num_kv_heads, block_size, head_dim = k_cache.shape[1:]
+    padded = sum(-(-n // PREFILL_STEP_KEYS) * PREFILL_STEP_KEYS for n in batch.seq_len_list)
+    values_t = workspace.get("values_t", num_kv_heads * head_dim * padded, torch.bfloat16,
+                             q.device)
+    tables = batch.block_tables
+    status = kernel(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), batch.q_starts.data_ptr(), batch.query_lens.data_ptr(),
+        batch.seq_lens.data_ptr(), batch.size, q.shape[1], num_kv_heads, block_size, head_dim,
+        scale, window or 0, softcap or 0.0, values_t.data_ptr(), values_t.numel(),
+        out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"tiled prefill kernel refused its arguments ({status})")
+
+
+@functools.cache
+def load_cpp_prefill() -> ctypes._CFuncPtr | None:
+    """The kernel, or None where it cannot be built or the CPU (or Linux) gives no tiles."""
+    library = load_library("paged_prefill", "SDPA", {
+        "loom_prefill_tiles_available": ([], ctypes.c_int),
+        "loom_paged_prefill": ([PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64,
+                                I64, FLOAT, I64, FLOAT, PTR, I64, PTR, INT], ctypes.c_int),
+    })
+    if library is None or not library.loom_prefill_tiles_available():
+        return None
+    return library.loom_paged_prefill
