@@ -452,3 +452,34 @@ def test_long_prefills_go_to_the_amx_kernel_where_the_cpu_has_tiles(
     assert not tiled(torch.bfloat16, dim=48)  # a tile row holds 32 dims
     monkeypatch.setenv("LOOM_CPU_AMX", "0")
     assert not tiled(torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (45, None), (None, 2.0)])
+def test_the_amx_prefill_kernel_gives_a_row_the_same_bits_however_its_prompt_is_chunked(
+    window: int | None, softcap: float | None,
+) -> None:
+    """A prompt of 150 tokens whole, then as its last 111 rows on 39 cached ones beside
+    another request: the shared rows' outputs are equal bit for bit (rows land at other
+    offsets of their 16-row blocks, and steps are plain or masked differently). The scale is
+    not a power of two, so that rounding its products differently would show."""
+    scale = 80**-0.5
+    inputs = make_inputs(Case("whole", ((150, 150),)), torch.bfloat16, seed=9)
+    backend = CpuBackend(16, 3, tiled_prefill=True)
+    metadata = build(inputs, backend)
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    got_whole = backend.forward(inputs.q, inputs.k, inputs.v, k_cache, v_cache, metadata, scale,
+                                window, softcap)
+    other = make_inputs(Case("other", ((20, 70),)), torch.bfloat16, seed=10)
+    table = inputs.block_tables[0]
+    other_table = [block + k_cache.shape[0] for block in other.block_tables[0]]
+    slots = [table[pos // 16] * 16 + pos % 16 for pos in range(39, 150)]
+    slots += [other_table[pos // 16] * 16 + pos % 16 for pos in range(50, 70)]
+    caches = [torch.cat([cache, extra]) for cache, extra in
+              ((k_cache, other.k_cache), (v_cache, other.v_cache))]
+    split_metadata = backend.build_metadata([111, 20], [150, 70], [table, other_table], slots,
+                                            "cpu")
+    got_split = backend.forward(
+        torch.cat([inputs.q[39:], other.q]), torch.cat([inputs.k[39:], other.k]),
+        torch.cat([inputs.v[39:], other.v]), *caches, split_metadata, scale, window, softcap)
+    assert torch.equal(got_split[:111], got_whole[39:])

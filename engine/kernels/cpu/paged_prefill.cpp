@@ -198,7 +198,10 @@ class RowBlock {
 
   // The step's scores -> weights 2^(u - max) as P^T, u = the scaled (capped) score in log2
   // units, -inf where a query does not see the key; the running max raised (and the sums
-  // rescaled) where the scores passed it by kRaiseMaxBy; the total updated.
+  // rescaled) where the scores passed it by kRaiseMaxBy; the total updated. A row's weights
+  // and sums come out the same, bit for bit, whichever rows share its block and whether a
+  // step is plain for the block: what a row computes does not depend on how its prompt was
+  // chunked.
   void weigh(int64_t key, int buffer) {
     float (*scores)[kRows] = w_.scores[buffer];
     const bool plain = plain_step(key);
@@ -211,9 +214,11 @@ class RowBlock {
         maxes[r % 4] = _mm512_max_ps(maxes[r % 4], _mm512_load_ps(scores[r]));
     } else {
       for (int r = 0; r < kStep; ++r) {
-        __m512 u = _mm512_mul_ps(_mm512_load_ps(scores[r]), _mm512_set1_ps(s_.scale));
-        if (s_.softcap > 0.f) u = capped16(u, s_.softcap);
-        u = _mm512_mul_ps(u, _mm512_set1_ps(kLog2e));
+        const __m512 score = _mm512_load_ps(scores[r]);
+        __m512 u = s_.softcap > 0.f
+            ? _mm512_mul_ps(capped16(_mm512_mul_ps(score, _mm512_set1_ps(s_.scale)), s_.softcap),
+                            _mm512_set1_ps(kLog2e))
+            : _mm512_mul_ps(score, _mm512_set1_ps(s_.scale * kLog2e));  // as a plain step
         const int64_t lag = key + r - first_;  // query j sees this key from j = lag on
         __mmask16 seen = __mmask16(~lanes_below(lag));
         if (s_.window > 0) seen &= lanes_below(lag + s_.window);
@@ -240,7 +245,11 @@ class RowBlock {
     for (int k = 0; k < kStep / 2; ++k) {
       __m512 p[2];
       for (int i = 0; i < 2; ++i) {
-        p[i] = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(scores[2 * k + i]), to_log2, ref));
+        const __m512 u = _mm512_mul_ps(_mm512_load_ps(scores[2 * k + i]), to_log2);
+        p[i] = exp2_16(_mm512_sub_ps(u, ref));
+        if (!plain)  // a key a query does not see weighs exactly 0
+          p[i] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                     p[i]);
         totals[i] = _mm512_add_ps(totals[i], p[i]);
       }
       _mm512_store_si512(w_.weights_t[buffer][k], key_pair(p[0], p[1]));
