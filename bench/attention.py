@@ -4,7 +4,8 @@
 
 Shapes follow SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64) with 16-token blocks.
 Each figure is the median of N calls of one layer (K/V write included): `torch` is the torch
-backend, `cpp` the C++ one (decode configs only); `plan` is the once-per-step cost of the
+backend, `cpp` the C++ one as the selector builds it (with the AMX prefill kernel for bf16
+chunks where the CPU has tiles); `plan` is the once-per-step cost of the
 torch backend's metadata builder, shared by all 30 layers. On a machine
 shared with other work, run with OMP_WAIT_POLICY=passive (spinning OpenMP workers that lose
 their core turn every parallel op into a scheduler quantum) or --threads 1.
@@ -26,6 +27,7 @@ from engine.attention.cpu_backend import CpuBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import reference_attention, write_kv
 from engine.attention.torch_backend import TorchBackend, decode_kernel_for
+from engine.kernels.paged_prefill import tiled_prefill_supports
 from engine.platform.cpu import native_bf16_matmul
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -48,6 +50,8 @@ CONFIGS = [
     Config("decode b=64", decode_batch(64)),
     Config("prefill 512", [(512, 512)]),
     Config("prefill 512 on 512 cached", [(512, 1024)]),
+    Config("prefill 2048", [(2048, 2048)]),
+    Config("prefill 1024 on 1024 cached", [(1024, 2048)]),
     Config("mixed 62 decodes + 2 chunks", [*decode_batch(62), (256, 256), (256, 768)]),
 ]
 
@@ -111,16 +115,13 @@ def bench(config: Config, dtype: torch.dtype, repeats: int) -> dict[str, float]:
 
     figures = {"reference": median_ms(reference, max(3, repeats // 4)),
                "torch": median_ms(run(torch_backend, metadata), repeats)}
-    if has_decodes(config) and CpuBackend.supports(torch.device("cpu"), dtype, NUM_HEADS,
-                                                   NUM_KV_HEADS, HEAD_DIM):
-        cpu_backend = CpuBackend(BLOCK_SIZE, NUM_KV_HEADS)
+    if CpuBackend.supports(torch.device("cpu"), dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
+        cpu_backend = CpuBackend(BLOCK_SIZE, NUM_KV_HEADS,
+                                 tiled_prefill_supports(dtype, HEAD_DIM, BLOCK_SIZE))
         figures["cpp"] = median_ms(run(cpu_backend, s.build(cpu_backend)), repeats)
     figures["plan"] = median_ms(lambda: s.build(torch_backend), repeats)
     return figures
 
-
-def has_decodes(config: Config) -> bool:
-    return any(query_len == 1 for query_len, _ in config.requests)
 
 
 def main() -> None:

@@ -101,7 +101,8 @@ class PrefillChunk:
     end: int
     seq_len: int
     block_ids: torch.Tensor | None  # [num_blocks] int64 when it sits on cached tokens
-    mask: torch.Tensor | None  # [query_len, seq_len] bool: key j visible to query i
+    # [query_len, seq_len] bool: key j visible to query i (on cached tokens, for the torch path)
+    mask: torch.Tensor | None
     biases: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks
     window_biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
@@ -234,20 +235,22 @@ def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
         raise ValueError("block tables are narrower than the longest context")
     decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
     prefill_ids = [i for i, query_len in enumerate(query_lens) if query_len > 1]
-    prefills = [plan_prefill(metadata, i, block_size) for i in prefill_ids]
+    tiled_ids = {i for i in prefill_ids if kernel and tiled_prefill
+                 and query_lens[i] >= TILED_PREFILL_MIN_TOKENS}
+    short = [i for i in prefill_ids if kernel and i not in tiled_ids
+             and query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS]
+    covered = frozenset(short) | tiled_ids
+    prefills = [plan_prefill(metadata, i, block_size, masked=i not in covered)
+                for i in prefill_ids]
     decodes = plan_decodes(metadata, decode_ids) if decode_ids else None
     if not kernel:
         return StepPlan(block_size, decodes, prefills)
-    tiled_chunks = [chunk for chunk in prefills if tiled_prefill
-                    and chunk.end - chunk.start >= TILED_PREFILL_MIN_TOKENS]
-    tiled_ids = {chunk.request for chunk in tiled_chunks}
-    short = [i for i in prefill_ids
-             if query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS and i not in tiled_ids]
     kernel_rows = decodes
     if short:
         kernel_rows = plan_rows(metadata, decode_ids + short)
+    tiled_chunks = [chunk for chunk in prefills if chunk.request in tiled_ids]
     tiled = plan_prefill_batch(metadata, tiled_chunks) if tiled_chunks else None
-    return StepPlan(block_size, decodes, prefills, kernel_rows, tiled, frozenset(short) | tiled_ids)
+    return StepPlan(block_size, decodes, prefills, kernel_rows, tiled, covered)
 
 
 def plan_decodes(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
@@ -301,14 +304,19 @@ def causal_rows(metadata: AttentionMetadata, ids: Iterable[int],
     return rows, seq_lens, owners
 
 
-def plan_prefill(metadata: AttentionMetadata, i: int, block_size: int) -> PrefillChunk:
+def plan_prefill(metadata: AttentionMetadata, i: int, block_size: int,
+                 masked: bool = True) -> PrefillChunk:
+    """`masked`: build the causal mask of a chunk on cached tokens (the torch path's; a
+    kernel of ours needs none)."""
     start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
     seq_len, query_len = metadata.seq_lens[i], end - start
     if seq_len == query_len:
         return PrefillChunk(i, start, end, seq_len, None, None)
     device = metadata.block_tables.device
-    positions = torch.arange(seq_len - query_len, seq_len, device=device)
-    mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
+    mask = None
+    if masked:
+        positions = torch.arange(seq_len - query_len, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
     block_ids = metadata.block_tables[i, :blocks_for(seq_len, block_size)]
     return PrefillChunk(i, start, end, seq_len, block_ids, mask)
 
