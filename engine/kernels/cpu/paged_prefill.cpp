@@ -250,9 +250,14 @@ class RowBlock {
         if (!plain)  // a key a query does not see weighs exactly 0
           p[i] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
                                      p[i]);
-        totals[i] = _mm512_add_ps(totals[i], p[i]);
       }
-      _mm512_store_si512(w_.weights_t[buffer][k], key_pair(p[0], p[1]));
+      // The total adds the weights as rounded to bf16, as the value tiles multiply them: a
+      // softmax dominated by one key then gives that key's value back exactly.
+      const __m512i pair = key_pair(p[0], p[1]);
+      _mm512_store_si512(w_.weights_t[buffer][k], pair);
+      totals[0] = _mm512_add_ps(totals[0], _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+      totals[1] = _mm512_add_ps(totals[1], _mm512_castsi512_ps(
+          _mm512_and_si512(pair, _mm512_set1_epi32(int(0xffff0000u)))));
     }
     total_ = _mm512_add_ps(total_, _mm512_add_ps(totals[0], totals[1]));
   }
