@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ class EngineConfig:
     compile: bool = False  # torch.compile the forward (engine.executor.compiled_forward)
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs, and never compile
     quantization: str = "auto"  # auto (a GGUF's own) | none | int8 | int4 | w8a8
+    # A row's logits the same bits whatever shares its step (engine.layers.batch_invariant)
+    batch_invariant: bool = False
     quantization_group_size: int = 32  # int4: input channels per scale and zero
     grammar_compile_timeout: float = 5.0  # seconds a structured-output grammar may take to build
     tensor_parallel_size: int = 1  # ranks over torch.distributed (engine.distributed)
@@ -76,6 +79,11 @@ class EngineConfig:
             raise ValueError(f"node_rank {self.node_rank} is not among {self.nnodes} nodes")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("ranks on several nodes need --master-addr and --master-port")
+        if self.batch_invariant and self.compiled:
+            raise ValueError("--batch-invariant runs the forward eagerly: drop --compile")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("--batch-invariant is not offered with tensor parallelism yet "
+                             "(its all-reduce is not checked): use --tensor-parallel-size 1")
 
     @property
     def compiled(self) -> bool:
@@ -110,6 +118,7 @@ class EngineConfig:
             compile=args.compile,
             enforce_eager=args.enforce_eager,
             quantization=args.quantization,
+            batch_invariant=args.batch_invariant or batch_invariant_from_env(),
             quantization_group_size=args.quantization_group_size,
             grammar_compile_timeout=args.grammar_compile_timeout,
             tensor_parallel_size=args.tensor_parallel_size,
@@ -118,6 +127,11 @@ class EngineConfig:
             master_addr=args.master_addr,
             master_port=args.master_port,
         )
+
+
+def batch_invariant_from_env() -> bool:
+    """vLLM's switch for the same mode, read as ours."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +169,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="weights quantized at load: int8 / int4 weight-only, w8a8 (int8 "
                              "weights and per-token int8 activations); auto: as the checkpoint "
                              "holds them")
+    engine.add_argument("--batch-invariant", action="store_true",
+                        help="a request's tokens do not depend on what shares its steps, on "
+                             "prefix-cache hits, chunking or preemption (bitwise-equal "
+                             "logits); costs speed, see the README. VLLM_BATCH_INVARIANT=1 "
+                             "sets it too")
     engine.add_argument("--quantization-group-size", type=int, default=32,
                         help="int4: input channels sharing one scale and zero (default 32)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -186,7 +186,8 @@ class EngineCore:
                            self.dtype, compiled=self.config.compiled, recorder=recorder,
                            max_model_len=self.max_model_len,
                            max_num_seqs=self.config.max_num_seqs,
-                           tensor_parallel=self.workers is not None, layout=self.kv_layout)
+                           tensor_parallel=self.workers is not None, layout=self.kv_layout,
+                           batch_invariant=self.config.batch_invariant)
 
     def _graph_memory(self) -> int:
         """Bytes the decode graphs keep on the GPU: measured by recording them once over a
@@ -318,8 +319,11 @@ class EngineCore:
 
     # --- one step ------------------------------------------------------------------------
     def _share_cores_with_grammar_builds(self) -> None:
+        """One thread fewer while a grammar builds; never in batch-invariant mode, where the
+        thread count is part of a row's numerics (fp32 GEMMs split their sums by it)."""
         threads = self.step_threads
-        if self.grammars.num_building and threads > 1 and self.device.type == "cpu":
+        if self.grammars.num_building and threads > 1 and self.device.type == "cpu" \
+                and not self.config.batch_invariant:
             threads -= 1
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

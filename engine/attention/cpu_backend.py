@@ -28,11 +28,14 @@ class CpuBackend(TorchBackend):
     name = "cpu-c++"
     uses_kernel = True
 
-    def __init__(self, block_size: int, num_kv_heads: int, tiled_prefill: bool = False) -> None:
+    def __init__(self, block_size: int, num_kv_heads: int, tiled_prefill: bool = False,
+                 rows_only: bool = False) -> None:
         """`tiled_prefill`: long prefill chunks take the AMX kernel (the selector checks
-        `tiled_prefill_supports` for the cache's dtype and shape)."""
+        `tiled_prefill_supports` for the cache's dtype and shape); `rows_only`: every query
+        row is a decode row of the C++ kernel (batch-invariant mode)."""
         super().__init__(block_size, num_kv_heads)
-        self.tiled_prefill = tiled_prefill
+        self.tiled_prefill = tiled_prefill and not rows_only
+        self.rows_only = rows_only
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,

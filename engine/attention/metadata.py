@@ -227,18 +227,20 @@ class AttentionMetadata:
 
 
 def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
-              tiled_prefill: bool = False) -> StepPlan:
+              tiled_prefill: bool = False, rows_only: bool = False) -> StepPlan:
     """`kernel`: the C++ kernel takes every decode and every row of the short prefill chunks;
-    `tiled_prefill`: the AMX prefill kernel takes the longer ones."""
+    `tiled_prefill`: the AMX prefill kernel takes the longer ones; `rows_only` (with
+    `kernel`): every row of every chunk is a decode row of the C++ kernel, whatever its
+    length (batch-invariant mode: one kernel for every row)."""
     query_lens = metadata.query_lens
     if metadata.block_tables.shape[1] * block_size < max(metadata.seq_lens, default=0):
         raise ValueError("block tables are narrower than the longest context")
     decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
     prefill_ids = [i for i, query_len in enumerate(query_lens) if query_len > 1]
-    tiled_ids = {i for i in prefill_ids if kernel and tiled_prefill
+    tiled_ids = {i for i in prefill_ids if kernel and tiled_prefill and not rows_only
                  and query_lens[i] >= TILED_PREFILL_MIN_TOKENS}
     short = [i for i in prefill_ids if kernel and i not in tiled_ids
-             and query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS]
+             and (rows_only or query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS)]
     covered = frozenset(short) | tiled_ids
     prefills = [plan_prefill(metadata, i, block_size, masked=i not in covered)
                 for i in prefill_ids]

@@ -21,8 +21,19 @@ from engine.kernels.paged_prefill import tiled_prefill_supports
 
 def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads: int,
                              num_kv_heads: int, head_dim: int, block_size: int,
-                             ) -> AttentionBackend:
-    """`num_heads`, `num_kv_heads`: this process's share of the model's heads."""
+                             batch_invariant: bool = False) -> AttentionBackend:
+    """`num_heads`, `num_kv_heads`: this process's share of the model's heads.
+    `batch_invariant`: every query row through the C++ kernel, or a ValueError saying why
+    that cannot be here."""
+    if batch_invariant:
+        if not (kernel_enabled("LOOM_CPP_DECODE")
+                and CpuBackend.supports(device, dtype, num_heads, num_kv_heads, head_dim)):
+            raise ValueError(
+                f"--batch-invariant needs Loom's C++ attention kernel: a CPU, float32 or "
+                f"bfloat16, head_dim <= 256 and <= 16 query heads per KV head (here: "
+                f"{device.type}, {dtype}, head_dim {head_dim}, {num_heads} / {num_kv_heads} "
+                f"heads){'' if device.type == 'cpu' else '; the GPU path offers no such mode'}")
+        return CpuBackend(block_size, num_kv_heads, rows_only=True)
     if kernel_enabled("LOOM_TRITON_ATTENTION") and TritonBackend.supports(device, head_dim,
                                                                     block_size):
         return TritonBackend(block_size, num_kv_heads)

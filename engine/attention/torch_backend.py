@@ -37,6 +37,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     uses_kernel = False  # the C++ kernel serves the plan's kernel rows (see cpu_backend)
     tiled_prefill = False  # ... and the AMX kernel its long prefill chunks
+    rows_only = False  # ... or every query row (batch-invariant mode)
 
     def __init__(self, block_size: int, num_kv_heads: int,
                  decode_kernel: DecodeKernel = "matmul") -> None:
@@ -47,7 +48,7 @@ class TorchBackend(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         metadata.plan = plan_step(metadata, self.block_size, kernel=self.uses_kernel,
-                                  tiled_prefill=self.tiled_prefill)
+                                  tiled_prefill=self.tiled_prefill, rows_only=self.rows_only)
         metadata.head_plans[self.num_kv_heads] = expand_for_heads(
             metadata.plan, metadata.slot_mapping, self.num_kv_heads, self.uses_kernel)
 

@@ -23,6 +23,7 @@ from engine.attention.selector import select_attention_backend
 from engine.kernels.build import kernel_enabled
 from engine.kernels.elementwise import load_elementwise
 from engine.layers.attention import PagedAttention
+from engine.layers.batch_invariant import MIN_ROWS, make_batch_invariant
 from engine.layers.custom_op import Implementation, use_implementation
 from engine.layers.moe import FusedMoE
 from engine.layers.opaque_linear import trace_as_op
@@ -35,21 +36,28 @@ class KernelChoice:
     attention: AttentionBackend
     elementwise: Implementation
     compiled: bool
+    batch_invariant: bool = False
 
     @classmethod
     def choose(cls, model: nn.Module, device: torch.device, dtype: torch.dtype,
-               block_size: int, compiled: bool) -> KernelChoice:
+               block_size: int, compiled: bool, batch_invariant: bool = False) -> KernelChoice:
+        """`batch_invariant`: the kernels that give a row the same bits whatever shares its
+        step (engine.layers.batch_invariant); a ValueError where that cannot be."""
         backend = select_attention_backend(device, dtype, model.num_local_heads,
                                            model.num_local_kv_heads, model.config.head_dim,
-                                           block_size)
+                                           block_size, batch_invariant)
         cpp = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                and not compiled and kernel_enabled("LOOM_CPP_ELEMENTWISE")
                and load_elementwise() is not None)
-        return cls(backend, "cpu" if cpp else "native", compiled)
+        if batch_invariant and compiled:
+            raise ValueError("--batch-invariant runs the forward eagerly: drop --compile")
+        return cls(backend, "cpu" if cpp else "native", compiled, batch_invariant)
 
     def bind(self, model: nn.Module) -> None:
         """Every layer of the model runs its chosen implementation from now on."""
         use_implementation(model, self.elementwise)
+        if self.batch_invariant:
+            make_batch_invariant(model)
         if not self.compiled:
             return
         inside_ops = {id(module.dense) for module in model.modules()
@@ -66,5 +74,7 @@ class KernelChoice:
     def describe(self) -> str:
         elementwise = "C++" if self.elementwise == "cpu" else "torch ops"
         mode = "compiled (inductor)" if self.compiled else "eager"
+        if self.batch_invariant:
+            mode += f", batch-invariant (every row a decode row, products of >= {MIN_ROWS} rows)"
         return (f"kernels: attention {self.attention.name}, elementwise {elementwise}, "
                 f"forward {mode}")

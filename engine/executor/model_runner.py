@@ -113,14 +113,15 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, compiled: bool = False,
                  recorder: Recorder | None = None, max_model_len: int = 0,
                  max_num_seqs: int = 0, tensor_parallel: bool = False,
-                 layout: KVCacheLayout | None = None) -> None:
+                 layout: KVCacheLayout | None = None, batch_invariant: bool = False) -> None:
         """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
         others before running it (engine.distributed.tensor_parallel). `layout`: the layers'
-        KV cache groups (default: one)."""
+        KV cache groups (default: one). `batch_invariant`: see KernelChoice."""
         self.model = model
         self.layout = layout or KVCacheLayout.single(model.num_layers)
         assign_kv_groups(model, self.layout)
-        self.kernels = KernelChoice.choose(model, device, dtype, block_size, compiled)
+        self.kernels = KernelChoice.choose(model, device, dtype, block_size, compiled,
+                                           batch_invariant)
         self.kernels.bind(model)
         if not compiled:  # inductor traces the modules as nn.Module keeps them
             pin_attributes(model)

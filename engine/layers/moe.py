@@ -70,6 +70,11 @@ class FusedMoE(nn.Module):
         self.w13 = self.w2 = None  # type: ignore[assignment]
         return made
 
+    def rebind_products(self) -> None:
+        """Each expert's calls read `products` again (after its modules were wrapped)."""
+        assert self.products is not None
+        self._calls = list(zip(self.products[0::2], self.products[1::2], strict=True))
+
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         if self._calls is not None:
             gate_up, down = self._calls[expert]

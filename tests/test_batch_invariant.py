@@ -1,0 +1,192 @@
+"""Batch-invariant mode: a row's logits are the same bits alone, beside other requests, on a
+prefix-cache hit, chunked and after preemption, in fp32, bf16 and every quantization method
+(engine tier, a small random model; every sampled row's logits compared with torch.equal)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import EngineConfig, batch_invariant_from_env
+from common.protocol import AddRequest
+from common.sampling import SamplingParams
+from engine.core import EngineCore
+from engine.layers.batch_invariant import MIN_ROWS, RowPadded, make_batch_invariant
+from engine.quantization.registry import METHODS, attach_dense_copies
+from engine.quantization.unquantized import PackedLinear, packing_applies
+from tests.engine_helpers import make_core, run_to_completion
+from tests.model_fixtures import build_tiny_llama_dir
+
+# Wide enough for the GEMM libraries to switch kernels with the row count (they do not on
+# the 64-wide tiny model), head_dim 64 for the kernel's vector path, a tied output head.
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
+CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
+           ("bfloat16", "int4"), ("bfloat16", "w8a8"), ("float32", "w8a8")]
+PROMPT = [5 + (7 * i) % 300 for i in range(45)]  # 45 tokens: two full blocks and a part
+OUTPUT_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_llama_dir(tmp_path_factory.mktemp("invariant"), **SHAPE)
+
+
+def target(request_id: str = "target") -> AddRequest:
+    """The request every scenario follows: seeded sampling at temperature 1."""
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
+    return AddRequest(request_id, PROMPT, params, 0.0)
+
+
+def others(count: int, seed: int = 0) -> list[AddRequest]:
+    generator = torch.Generator().manual_seed(seed)
+    requests = []
+    for i in range(count):
+        length = int(torch.randint(3, 70, (1,), generator=generator))
+        prompt = torch.randint(3, 500, (length,), generator=generator).tolist()
+        params = SamplingParams(max_tokens=int(torch.randint(4, 20, (1,), generator=generator)),
+                                temperature=0.8, seed=100 + i, ignore_eos=True)
+        requests.append(AddRequest(f"other-{i}", prompt, params, 0.0))
+    return requests
+
+
+def capture_logits(core: EngineCore) -> dict[str, list[torch.Tensor]]:
+    """Every sampled row's logits, by request id, as the sampler gets them."""
+    captured: dict[str, list[torch.Tensor]] = defaultdict(list)
+    execute = core._execute
+
+    def recording(chunks):
+        sampling, logits = execute(chunks)
+        for chunk, row in zip(sampling, logits, strict=True):
+            captured[chunk.request.request_id].append(row.clone())
+        return sampling, logits
+
+    core._execute = recording
+    return captured
+
+
+def run(model_dir: str, dtype: str, quantization: str, requests: list[AddRequest],
+        **overrides) -> tuple[EngineCore, dict[str, list[torch.Tensor]], dict[str, list[int]]]:
+    core = make_core(model_dir, dtype=dtype, quantization=quantization, batch_invariant=True,
+                     **overrides)
+    logits = capture_logits(core)
+    return core, logits, run_to_completion(core, requests)
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), CONFIGS,
+                         ids=[f"{d}-{q}" for d, q in CONFIGS])
+def test_a_rows_logits_do_not_depend_on_its_step(model_dir: str, dtype: str,
+                                                  quantization: str) -> None:
+    assert_invariant(model_dir, dtype, quantization)
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("bfloat16", "int4")],
+                         ids=["fp32", "bf16-int4"])
+def test_a_mixture_of_experts_rows_logits_do_not_depend_on_its_step(
+    tmp_path: Path, dtype: str, quantization: str,
+) -> None:
+    """Experts see as many rows as route to them: their products and the router's are
+    padded too."""
+    model_dir = build_tiny_llama_dir(tmp_path, "qwen3_moe", **SHAPE, head_dim=64, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=256,
+                                     norm_topk_prob=True)
+    assert_invariant(model_dir, dtype, quantization)
+
+
+def assert_invariant(model_dir: str, dtype: str, quantization: str) -> None:
+    """The target's sampled rows alone, then on a prefix hit, beside 12 others, chunked by 16
+    and preempted and recomputed: the same tokens and the same bits."""
+    core, alone, tokens = run(model_dir, dtype, quantization, [target()])
+    want, want_tokens = alone["target"], tokens["target"]
+    assert len(want) == OUTPUT_TOKENS
+
+    # The same prompt again on the same engine: a prefix-cache hit on its two full blocks.
+    hit = capture_logits(core)
+    again = run_to_completion(core, [target("again")])
+    assert core.block_manager.stats.hits > 0
+    scenarios = {"prefix hit": (hit["again"], again["again"])}
+
+    _, beside, tokens = run(model_dir, dtype, quantization, [*others(12), target()])
+    scenarios["beside 12 others"] = beside["target"], tokens["target"]
+
+    _, chunked, tokens = run(model_dir, dtype, quantization, [target(), *others(3, seed=1)],
+                             max_num_batched_tokens=16)
+    scenarios["chunked by 16"] = chunked["target"], tokens["target"]
+
+    core, preempted, tokens = run(model_dir, dtype, quantization,
+                                  [*others(4, seed=2), target()], num_kv_blocks=9)
+    assert "target" in {rid for trace in core.traces for rid in trace.preempted}
+    scenarios["preempted and recomputed"] = preempted["target"], tokens["target"]
+
+    for name, (got, got_tokens) in scenarios.items():
+        assert got_tokens == want_tokens, name
+        assert len(got) == len(want), name
+        for position, (row, wanted) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(row, wanted), f"{name}: logits of output {position} differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method", ["none", *METHODS])
+def test_every_linear_gives_a_row_the_same_bits_at_every_row_count(
+    method: str, dtype: torch.dtype,
+) -> None:
+    """The mode's products, by method: a row's output alone equals it inside 1-200 rows."""
+    weight = torch.randn(1536, 576) * 0.05
+    if method == "none" and packing_applies(torch.device("cpu"), dtype):
+        layer = PackedLinear(weight.to(dtype), None)  # as prepack_linears leaves a bf16 model
+    elif method == "none":
+        layer = torch.nn.Linear(576, 1536, bias=False, dtype=dtype)
+        layer.weight.data = weight.to(dtype)
+    else:
+        layer = METHODS[method](weight.to(dtype), None, 32)
+        attach_dense_copies([layer])
+    holder = torch.nn.Module()
+    holder.lm_head = layer  # make_batch_invariant's walk wraps a model's children
+    holder.model = torch.nn.Module()
+    holder.model.embed_tokens = torch.nn.Embedding(4, 576)
+    assert make_batch_invariant(holder) >= 1
+    product = holder.lm_head
+    assert isinstance(product, RowPadded)
+    x = torch.randn(200, 576).to(dtype)
+    alone = product(x[:1])
+    for rows in (2, 3, 5, 16, 17, 33, MIN_ROWS - 1, MIN_ROWS, 130, 200):
+        assert torch.equal(product(x[:rows])[:1], alone), f"{rows} rows"
+
+
+def test_vllms_environment_switch_turns_the_mode_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert batch_invariant_from_env()
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert not batch_invariant_from_env()
+
+
+def test_the_mode_is_refused_where_it_cannot_hold(model_dir: str) -> None:
+    with pytest.raises(ValueError, match="--compile"):
+        EngineConfig(model=model_dir, batch_invariant=True, compile=True)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(model=model_dir, batch_invariant=True, tensor_parallel_size=2)
+
+
+def test_the_mode_needs_the_cpp_attention_kernel(model_dir: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOM_CPP_DECODE", "0")  # as a CPU where the kernel does not build
+    with pytest.raises(ValueError, match="C\\+\\+ attention kernel"):
+        make_core(model_dir, batch_invariant=True)
+
+
+def test_the_mode_logs_what_it_runs(model_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO"):
+        core = make_core(model_dir, batch_invariant=True)
+    assert core.runner.attention.rows_only
+    assert any("batch-invariant" in record.getMessage() for record in caplog.records)
+
+
+def test_without_the_mode_nothing_is_wrapped(tmp_path: Path) -> None:
+    """Without the mode nothing is wrapped."""
+    model_dir = build_tiny_llama_dir(tmp_path, **SHAPE)
+    core = make_core(model_dir)
+    assert not any(isinstance(module, RowPadded) for module in core.model.modules())
+    assert not core.runner.attention.rows_only

@@ -1,0 +1,63 @@
+"""End to end, `launch.py --batch-invariant` on the default model at its defaults: 20 seeded
+prompts at temperature 1 give the same text each alone, again after a prefix-cache hit, and
+all at once beside 24 other requests on a KV cache small enough to preempt some of them."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.launched_server import LaunchedServer
+
+MODEL = "SmolLM2-135M-Instruct"
+TOPICS = ["rivers", "bread", "comets", "chess", "bees", "glass", "tides", "maps", "violins",
+          "deserts", "coral", "trains", "ink", "owls", "volcanoes", "salt", "kites", "moss",
+          "lighthouses", "clocks"]
+PROMPTS = [f"Write two sentences about {topic}." for topic in TOPICS]
+OTHERS = [f"List three facts about the number {n}." for n in range(24)]
+MAX_TOKENS = 24
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    # 40 blocks of 16 tokens: a prompt and its answer need ~5, so 44 at once preempt.
+    launched = LaunchedServer(["--batch-invariant", "--num-kv-blocks", "40"]).start(
+        tmp_path_factory.mktemp("logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+
+
+def ask(client: openai.OpenAI, prompt: str, seed: int) -> str:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=1.0,
+        seed=seed, max_tokens=MAX_TOKENS)
+    return response.choices[0].message.content
+
+
+def preemptions(server: LaunchedServer) -> float:
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(value) for value in
+               re.findall(r"^loom:num_preemptions_total(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
+def test_seeded_answers_do_not_depend_on_what_shares_the_steps(server: LaunchedServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    alone = [ask(client, prompt, seed) for seed, prompt in enumerate(PROMPTS)]
+    assert len(set(alone)) == len(alone)  # sampled text, not one canned reply
+    cached = [ask(client, prompt, seed) for seed, prompt in enumerate(PROMPTS)]
+    assert cached == alone, "a prefix-cache hit changed an answer"
+
+    before = preemptions(server)
+    jobs = [(prompt, seed) for seed, prompt in enumerate(PROMPTS)]
+    jobs += [(prompt, 1000 + n) for n, prompt in enumerate(OTHERS)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: ask(client, *job), jobs))
+    assert preemptions(server) > before, "the small cache preempted nobody"
+    assert together[:len(PROMPTS)] == alone, "answers changed beside 24 other requests"
