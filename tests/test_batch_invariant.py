@@ -14,7 +14,7 @@ from common.config import EngineConfig, batch_invariant_from_env
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.core import EngineCore
-from engine.layers.batch_invariant import MIN_ROWS, RowPadded, make_batch_invariant
+from engine.layers.batch_invariant import MIN_ROWS, RowPadded, pad_products
 from engine.quantization.registry import METHODS, attach_dense_copies
 from engine.quantization.unquantized import PackedLinear, packing_applies
 from tests.engine_helpers import make_core, run_to_completion
@@ -144,10 +144,10 @@ def test_every_linear_gives_a_row_the_same_bits_at_every_row_count(
         layer = METHODS[method](weight.to(dtype), None, 32)
         attach_dense_copies([layer])
     holder = torch.nn.Module()
-    holder.lm_head = layer  # make_batch_invariant's walk wraps a model's children
+    holder.lm_head = layer  # pad_products's walk wraps a model's children
     holder.model = torch.nn.Module()
     holder.model.embed_tokens = torch.nn.Embedding(4, 576)
-    assert make_batch_invariant(holder) >= 1
+    assert pad_products(holder, always=True) >= 1
     product = holder.lm_head
     assert isinstance(product, RowPadded)
     x = torch.randn(200, 576).to(dtype)
@@ -184,9 +184,25 @@ def test_the_mode_logs_what_it_runs(model_dir: str, caplog: pytest.LogCaptureFix
     assert any("batch-invariant" in record.getMessage() for record in caplog.records)
 
 
-def test_without_the_mode_nothing_is_wrapped(tmp_path: Path) -> None:
-    """Without the mode nothing is wrapped."""
-    model_dir = build_tiny_llama_dir(tmp_path, **SHAPE)
-    core = make_core(model_dir)
-    assert not any(isinstance(module, RowPadded) for module in core.model.modules())
+def test_without_the_mode_products_pad_only_in_steps_with_prompt_rows(model_dir: str) -> None:
+    core = make_core(model_dir, dtype="bfloat16")
+    padded = [module for module in core.model.modules() if isinstance(module, RowPadded)]
+    assert padded and not any(module.always for module in padded)
     assert not core.runner.attention.rows_only
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), CONFIGS,
+                         ids=[f"{d}-{q}" for d, q in CONFIGS])
+def test_by_default_a_prefix_hit_does_not_change_a_prompts_logits(model_dir: str, dtype: str,
+                                                                  quantization: str) -> None:
+    """The default configuration: the same seeded request cold, then on the cache its first
+    run filled (two of its three blocks, the rest recomputed as a short chunk)."""
+    core = make_core(model_dir, dtype=dtype, quantization=quantization)
+    logits = capture_logits(core)
+    cold = run_to_completion(core, [target("cold")])
+    cached = run_to_completion(core, [target("cached")])
+    assert core.block_manager.stats.hits > 0
+    assert cached["cached"] == cold["cold"]
+    for position, (row, wanted) in enumerate(zip(logits["cached"], logits["cold"],
+                                                  strict=True)):
+        assert torch.equal(row, wanted), f"logits of output {position} differ"

@@ -1,6 +1,7 @@
-"""End to end, `launch.py --batch-invariant` on the default model at its defaults: 20 seeded
-prompts at temperature 1 give the same text each alone, again after a prefix-cache hit, and
-all at once beside 24 other requests on a KV cache small enough to preempt some of them."""
+"""End to end on the default model. `launch.py --batch-invariant`: 20 seeded prompts at
+temperature 1 give the same text each alone, again after a prefix-cache hit, and all at once
+beside 24 other requests on a KV cache small enough to preempt some of them. The default
+configuration: 20 greedy prompts give the same text cold and on the cache they filled."""
 
 from __future__ import annotations
 
@@ -61,3 +62,27 @@ def test_seeded_answers_do_not_depend_on_what_shares_the_steps(server: LaunchedS
         together = list(pool.map(lambda job: ask(client, *job), jobs))
     assert preemptions(server) > before, "the small cache preempted nobody"
     assert together[:len(PROMPTS)] == alone, "answers changed beside 24 other requests"
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory):
+    launched = LaunchedServer([]).start(tmp_path_factory.mktemp("default-logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+
+
+def test_by_default_a_prefix_hit_does_not_change_a_greedy_answer(
+    default_server: LaunchedServer,
+) -> None:
+    client = openai.OpenAI(base_url=default_server.base_url + "/v1", api_key="unused",
+                           max_retries=0)
+
+    def greedy(prompt: str) -> str:
+        response = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
+            max_tokens=MAX_TOKENS)
+        return response.choices[0].message.content
+
+    cold = [greedy(prompt) for prompt in PROMPTS]
+    cached = [greedy(prompt) for prompt in PROMPTS]
+    assert cached == cold

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 class ForwardContext:
     metadata_by_group: tuple[AttentionMetadata, ...]
     backend: AttentionBackend
+    # Linear products multiply at least MIN_ROWS rows this step (engine.layers.batch_invariant)
+    pad_products: bool = False
 
     def metadata(self, group: int = 0) -> AttentionMetadata:
         return self.metadata_by_group[group]
@@ -33,11 +35,12 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def forward_context(metadata: AttentionMetadata | Sequence[AttentionMetadata],
-                    backend: AttentionBackend) -> Iterator[None]:
-    """`metadata`: the step's, or one per KV cache group."""
+                    backend: AttentionBackend, pad_products: bool = False) -> Iterator[None]:
+    """`metadata`: the step's, or one per KV cache group; `pad_products`: see
+    ForwardContext."""
     global _current
     by_group = tuple(metadata) if isinstance(metadata, Sequence) else (metadata,)
-    previous, _current = _current, ForwardContext(by_group, backend)
+    previous, _current = _current, ForwardContext(by_group, backend, pad_products)
     try:
         yield
     finally:
@@ -48,3 +51,9 @@ def current_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention ran outside a forward_context(metadata, backend)")
     return _current
+
+
+def pads_products() -> bool:
+    """Whether this step's linear products multiply at least MIN_ROWS rows (False outside a
+    step)."""
+    return _current is not None and _current.pad_products

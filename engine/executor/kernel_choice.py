@@ -23,7 +23,7 @@ from engine.attention.selector import select_attention_backend
 from engine.kernels.build import kernel_enabled
 from engine.kernels.elementwise import load_elementwise
 from engine.layers.attention import PagedAttention
-from engine.layers.batch_invariant import MIN_ROWS, make_batch_invariant
+from engine.layers.batch_invariant import MIN_ROWS, pad_products
 from engine.layers.custom_op import Implementation, use_implementation
 from engine.layers.moe import FusedMoE
 from engine.layers.opaque_linear import trace_as_op
@@ -37,6 +37,7 @@ class KernelChoice:
     elementwise: Implementation
     compiled: bool
     batch_invariant: bool = False
+    padded_products: bool = False  # engine.layers.batch_invariant: CPU, eager
 
     @classmethod
     def choose(cls, model: nn.Module, device: torch.device, dtype: torch.dtype,
@@ -51,13 +52,14 @@ class KernelChoice:
                and load_elementwise() is not None)
         if batch_invariant and compiled:
             raise ValueError("--batch-invariant runs the forward eagerly: drop --compile")
-        return cls(backend, "cpu" if cpp else "native", compiled, batch_invariant)
+        padded = device.type == "cpu" and not compiled
+        return cls(backend, "cpu" if cpp else "native", compiled, batch_invariant, padded)
 
     def bind(self, model: nn.Module) -> None:
         """Every layer of the model runs its chosen implementation from now on."""
         use_implementation(model, self.elementwise)
-        if self.batch_invariant:
-            make_batch_invariant(model)
+        if self.padded_products:
+            pad_products(model, always=self.batch_invariant)
         if not self.compiled:
             return
         inside_ops = {id(module.dense) for module in model.modules()

@@ -183,22 +183,27 @@ class ModelRunner:
                 len(inputs.token_ids), max(map(len, inputs.block_tables[0]), default=0)):
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mappings,
                                 inputs.seq_lens, inputs.block_tables)
-        else:
-            hidden = self._run_eager(inputs)
+            return self._logits(inputs, hidden, float32_logits)
+        metadata = [self.attention.build_metadata(inputs.query_lens, inputs.seq_lens, tables,
+                                                  slots, self.device)
+                    for tables, slots in zip(inputs.block_tables, inputs.slot_mappings,
+                                             strict=True)]
+        # Prompt rows come out the same however much of their prompt was cached: a step that
+        # computes some multiplies enough rows that the GEMMs keep one kernel (see
+        # engine.layers.batch_invariant); the batch-invariant mode pads every step.
+        pad = self.kernels.batch_invariant or not inputs.is_decode_only
+        with forward_context(metadata, self.attention, pad_products=pad):
+            hidden = self.forward(int_tensor(inputs.token_ids, self.device),
+                                  int_tensor(inputs.positions, self.device), self.kv_caches)
+            return self._logits(inputs, hidden, float32_logits)
+
+    def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
+                float32_logits: bool) -> torch.Tensor:
         if not inputs.sample_rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if len(inputs.sample_rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, int_tensor(inputs.sample_rows, self.device))
         return self.model.compute_logits(hidden, self.workspace, float32_logits)
-
-    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
-        metadata = [self.attention.build_metadata(inputs.query_lens, inputs.seq_lens, tables,
-                                                  slots, self.device)
-                    for tables, slots in zip(inputs.block_tables, inputs.slot_mappings,
-                                             strict=True)]
-        with forward_context(metadata, self.attention):
-            return self.forward(int_tensor(inputs.token_ids, self.device),
-                                int_tensor(inputs.positions, self.device), self.kv_caches)
 
 
 def assign_kv_groups(model: torch.nn.Module, layout: KVCacheLayout) -> None:
