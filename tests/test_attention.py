@@ -54,6 +54,8 @@ CASES = [
     Case("long_prefills_beside_short_ones", ((1, 30), (600, 600), (520, 700), (40, 90))),
 ]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+has_amx_tiles = tiled_prefill_supports(torch.bfloat16, 64, 16)
+needs_amx = pytest.mark.skipif(not has_amx_tiles, reason="this CPU has no AMX tiles")
 # Decode implementations: the C++ kernel, and the torch path's two ways, one with every
 # decode in one bucket and one forced to split into several.
 DECODE_IMPLS = {
@@ -87,6 +89,8 @@ def one_thread() -> Iterator[None]:
 
 
 def backend_for(impl: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
+    if impl == "cpp_tiled":  # the AMX prefill kernel for the chunks, beside the decode one
+        return CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=True)
     settings = DECODE_IMPLS[impl]
     if "BUCKET_OVERHEAD_BLOCKS" in settings:  # a knob of the step's plan
         monkeypatch.setattr(attention_metadata, "BUCKET_OVERHEAD_BLOCKS",
@@ -183,7 +187,7 @@ def test_several_threads(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", list(DECODE_IMPLS))
+@pytest.mark.parametrize("impl", [*DECODE_IMPLS, pytest.param("cpp_tiled", marks=needs_amx)])
 def test_views_of_a_fused_qkv_projection(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     case = next(c for c in CASES if c.name == "mixed")
     backend = backend_for(impl, case, monkeypatch)
@@ -386,8 +390,6 @@ TILED_CASES = [
          head_dim=256),
     Case("row_blocks_across_blocks", ((33, 33), (47, 130), (2, 2)), block_size=32),
 ]
-has_amx_tiles = tiled_prefill_supports(torch.bfloat16, 64, 16)
-needs_amx = pytest.mark.skipif(not has_amx_tiles, reason="this CPU has no AMX tiles")
 
 
 @needs_amx
@@ -416,24 +418,6 @@ def test_the_amx_prefill_kernel_matches_the_reference(
     torch.set_num_threads(threads)
     got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
                           inputs.v_cache.clone(), metadata, scale, window, softcap)
-    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
-
-
-@needs_amx
-def test_the_amx_prefill_kernel_reads_queries_of_a_fused_qkv_row(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    case = next(c for c in CASES if c.name == "long_prefills_beside_short_ones")
-    backend = CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=True)
-    inputs = make_inputs(case, torch.bfloat16, seed=8)
-    heads, kv_heads, dim = case.num_heads, case.num_kv_heads, case.head_dim
-    qkv = torch.cat([inputs.q.flatten(1), inputs.k.flatten(1), inputs.v.flatten(1)], dim=1)
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
-    metadata = build(inputs, backend)
-    want, _, _ = expected(inputs, metadata, 0.125)
-    got = backend.forward(q.view(-1, heads, dim), k.view(-1, kv_heads, dim),
-                          v.view(-1, kv_heads, dim), inputs.k_cache.clone(),
-                          inputs.v_cache.clone(), metadata, 0.125)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 

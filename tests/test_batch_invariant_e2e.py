@@ -86,3 +86,26 @@ def test_by_default_a_prefix_hit_does_not_change_a_greedy_answer(
     cold = [greedy(prompt) for prompt in PROMPTS]
     cached = [greedy(prompt) for prompt in PROMPTS]
     assert cached == cold
+
+
+def generated_by_engine(server: LaunchedServer) -> dict[str, float]:
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {engine: float(value) for engine, value in re.findall(
+        r'^loom:engine_generation_tokens_total\{engine="(\d+)"\} (\S+)$', text, re.M)}
+
+
+def test_two_data_parallel_replicas_give_the_same_answers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Each replica on its own core (one thread each), requests dealt round robin: every
+    seeded prompt answered by both replicas, the same text from each."""
+    launched = LaunchedServer(["--batch-invariant", "--data-parallel-size", "2",
+                               "--routing-policy", "round_robin"])
+    with launched.start(tmp_path_factory.mktemp("dp-logs")):
+        client = openai.OpenAI(base_url=launched.base_url + "/v1", api_key="unused",
+                               max_retries=0)
+        for seed, prompt in enumerate(PROMPTS[:4]):
+            assert ask(client, prompt, seed) == ask(client, prompt, seed), prompt
+        served = generated_by_engine(launched)
+        assert set(served) == {"0", "1"} and min(served.values()) > 0, served

@@ -296,6 +296,8 @@ class RowBlock {
   }
 
   // Sums of dims [d, d + 64) between memory and tiles 4-7 (head_dim is a multiple of 32).
+  // Tile numbers are immediates (the intrinsics paste them into the instruction): one
+  // function per direction.
   void load_sums(int64_t d) {
     _tile_loadd(4, w_.sums[d], 64);
     _tile_loadd(5, w_.sums[d + 16], 64);
