@@ -13,8 +13,9 @@ import torch
 from common.config import EngineConfig, batch_invariant_from_env
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
+from engine.attention.forward_context import forward_context
 from engine.core import EngineCore
-from engine.layers.batch_invariant import MIN_ROWS, RowPadded, pad_products
+from engine.layers.batch_invariant import MIN_ROWS, use_dense_copies, with_padded_rows
 from engine.quantization.registry import METHODS, attach_dense_copies
 from engine.quantization.unquantized import PackedLinear, packing_applies
 from tests.engine_helpers import make_core, run_to_completion
@@ -36,8 +37,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def target(request_id: str = "target") -> AddRequest:
-    """The request every scenario follows: seeded sampling at temperature 1."""
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
+    """The request every scenario follows: seeded sampling at temperature 1 through the
+    sampler's filters and penalties (they work on each row alone)."""
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=1.0, top_p=0.95, top_k=200,
+                            repetition_penalty=1.1, presence_penalty=0.2, seed=7,
+                            ignore_eos=True)
     return AddRequest(request_id, PROMPT, params, 0.0)
 
 
@@ -122,10 +126,10 @@ def assert_invariant(model_dir: str, dtype: str, quantization: str) -> None:
     scenarios["preempted and recomputed"] = preempted["target"], tokens["target"]
 
     for name, (got, got_tokens) in scenarios.items():
+        for position, (row, wanted) in enumerate(zip(got, want)):  # up to the first change
+            assert torch.equal(row, wanted), f"{name}: logits of output {position} differ"
         assert got_tokens == want_tokens, name
         assert len(got) == len(want), name
-        for position, (row, wanted) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(row, wanted), f"{name}: logits of output {position} differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -143,17 +147,15 @@ def test_every_linear_gives_a_row_the_same_bits_at_every_row_count(
     else:
         layer = METHODS[method](weight.to(dtype), None, 32)
         attach_dense_copies([layer])
-    holder = torch.nn.Module()
-    holder.lm_head = layer  # pad_products's walk wraps a model's children
-    holder.model = torch.nn.Module()
-    holder.model.embed_tokens = torch.nn.Embedding(4, 576)
-    assert pad_products(holder, always=True) >= 1
-    product = holder.lm_head
-    assert isinstance(product, RowPadded)
+        holder = torch.nn.Sequential(layer)
+        assert use_dense_copies(holder) == (layer.dense is not None)
     x = torch.randn(200, 576).to(dtype)
-    alone = product(x[:1])
-    for rows in (2, 3, 5, 16, 17, 33, MIN_ROWS - 1, MIN_ROWS, 130, 200):
-        assert torch.equal(product(x[:rows])[:1], alone), f"{rows} rows"
+    with forward_context([], None, pad_products=True):  # type: ignore[arg-type]
+        alone = with_padded_rows(layer.forward, x[:1])
+        for rows in (2, 3, 5, 16, 17, 33, MIN_ROWS - 1, MIN_ROWS, 130, 200):
+            got = with_padded_rows(layer.forward, x[:rows])
+            assert got.shape[0] == rows
+            assert torch.equal(got[:1], alone), f"{rows} rows"
 
 
 def test_vllms_environment_switch_turns_the_mode_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,11 +186,17 @@ def test_the_mode_logs_what_it_runs(model_dir: str, caplog: pytest.LogCaptureFix
     assert any("batch-invariant" in record.getMessage() for record in caplog.records)
 
 
-def test_without_the_mode_products_pad_only_in_steps_with_prompt_rows(model_dir: str) -> None:
+def test_by_default_only_steps_with_prompt_rows_are_padded(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     core = make_core(model_dir, dtype="bfloat16")
-    padded = [module for module in core.model.modules() if isinstance(module, RowPadded)]
-    assert padded and not any(module.always for module in padded)
-    assert not core.runner.attention.rows_only
+    assert core.runner.kernels.padded_steps and not core.runner.attention.rows_only
+    rows: list[int] = []
+    forward = core.runner.forward
+    monkeypatch.setattr(core.runner, "forward",
+                        lambda ids, *args: rows.append(ids.shape[0]) or forward(ids, *args))
+    run_to_completion(core, [target()])
+    assert rows == [MIN_ROWS] + [1] * (OUTPUT_TOKENS - 1)  # the 45-token prompt, then decodes
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), CONFIGS,

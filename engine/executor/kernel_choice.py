@@ -23,7 +23,7 @@ from engine.attention.selector import select_attention_backend
 from engine.kernels.build import kernel_enabled
 from engine.kernels.elementwise import load_elementwise
 from engine.layers.attention import PagedAttention
-from engine.layers.batch_invariant import MIN_ROWS, pad_products
+from engine.layers.batch_invariant import MIN_ROWS, use_dense_copies
 from engine.layers.custom_op import Implementation, use_implementation
 from engine.layers.moe import FusedMoE
 from engine.layers.opaque_linear import trace_as_op
@@ -37,7 +37,9 @@ class KernelChoice:
     elementwise: Implementation
     compiled: bool
     batch_invariant: bool = False
-    padded_products: bool = False  # engine.layers.batch_invariant: CPU, eager
+    # Steps that ask for it run at least MIN_ROWS rows (engine.layers.batch_invariant): CPU,
+    # eager
+    padded_steps: bool = False
 
     @classmethod
     def choose(cls, model: nn.Module, device: torch.device, dtype: torch.dtype,
@@ -58,8 +60,8 @@ class KernelChoice:
     def bind(self, model: nn.Module) -> None:
         """Every layer of the model runs its chosen implementation from now on."""
         use_implementation(model, self.elementwise)
-        if self.padded_products:
-            pad_products(model, always=self.batch_invariant)
+        if self.batch_invariant:
+            use_dense_copies(model)
         if not self.compiled:
             return
         inside_ops = {id(module.dense) for module in model.modules()

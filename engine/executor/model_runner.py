@@ -15,6 +15,7 @@ from engine.executor.cuda_graphs import DecodeGraphs, Recorder
 from engine.executor.kernel_choice import KernelChoice
 from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
+from engine.layers.batch_invariant import MIN_ROWS
 from engine.layers.pinned_attributes import pin_attributes
 from engine.platform.host_copy import int_tensor
 from engine.platform.huge_pages import populate, zeros_on_huge_pages
@@ -189,13 +190,19 @@ class ModelRunner:
                     for tables, slots in zip(inputs.block_tables, inputs.slot_mappings,
                                              strict=True)]
         # Prompt rows come out the same however much of their prompt was cached: a step that
-        # computes some multiplies enough rows that the GEMMs keep one kernel (see
-        # engine.layers.batch_invariant); the batch-invariant mode pads every step.
-        pad = self.kernels.batch_invariant or not inputs.is_decode_only
+        # computes some runs enough rows that the GEMMs keep one kernel (token 0 at position
+        # 0 as padding, which attention leaves out: engine.layers.batch_invariant); the
+        # batch-invariant mode pads every step.
+        pad = self.kernels.padded_steps and (self.kernels.batch_invariant
+                                              or not inputs.is_decode_only)
+        token_ids, positions = inputs.token_ids, inputs.positions
+        extra = MIN_ROWS - len(token_ids) if pad else 0
+        if extra > 0:
+            token_ids, positions = token_ids + [0] * extra, positions + [0] * extra
         with forward_context(metadata, self.attention, pad_products=pad):
-            hidden = self.forward(int_tensor(inputs.token_ids, self.device),
-                                  int_tensor(inputs.positions, self.device), self.kv_caches)
-            return self._logits(inputs, hidden, float32_logits)
+            hidden = self.forward(int_tensor(token_ids, self.device),
+                                  int_tensor(positions, self.device), self.kv_caches)
+            return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
                 float32_logits: bool) -> torch.Tensor:

@@ -23,11 +23,20 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q [T, heads, D], k and v [T, kv_heads, D] -> [T, heads, D]."""
+        """q [T, heads, D], k and v [T, kv_heads, D] -> [T, heads, D]. Rows past the step's
+        tokens (the runner's padding, engine.layers.batch_invariant) attend nothing and come
+        out 0."""
         context = current_context()
-        return context.backend.forward(q, k, v, kv_cache[0], kv_cache[1],
-                                       context.metadata(self.kv_group), self.scale,
-                                       self.window, self.softcap)
+        metadata = context.metadata(self.kv_group)
+        tokens = metadata.slot_mapping.shape[0]
+        if q.shape[0] == tokens:
+            return context.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata,
+                                           self.scale, self.window, self.softcap)
+        out = q.new_zeros(q.shape)
+        out[:tokens] = context.backend.forward(q[:tokens], k[:tokens], v[:tokens], kv_cache[0],
+                                               kv_cache[1], metadata, self.scale, self.window,
+                                               self.softcap)
+        return out
 
     def forward_as_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

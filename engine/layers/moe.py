@@ -12,6 +12,7 @@ summed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 
 from engine.distributed.tensor_parallel import all_reduce, tp_shard
 from engine.layers.activation import SiluAndMul
+from engine.layers.batch_invariant import with_padded_rows
 from engine.layers.linear import CheckpointTensor
 
 
@@ -70,11 +72,6 @@ class FusedMoE(nn.Module):
         self.w13 = self.w2 = None  # type: ignore[assignment]
         return made
 
-    def rebind_products(self) -> None:
-        """Each expert's calls read `products` again (after its modules were wrapped)."""
-        assert self.products is not None
-        self._calls = list(zip(self.products[0::2], self.products[1::2], strict=True))
-
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         if self._calls is not None:
             gate_up, down = self._calls[expert]
@@ -121,7 +118,8 @@ class FusedMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                out[rows] = self.expert_forward(expert, grouped[rows])
+                out[rows] = with_padded_rows(partial(self.expert_forward, expert),
+                                             grouped[rows])
                 start += count
         out *= weights.flatten().index_select(0, order)[:, None]
         summed = torch.zeros_like(x).index_add_(0, tokens, out)

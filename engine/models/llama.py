@@ -19,6 +19,7 @@ from torch import nn
 from engine.attention.metadata import Workspace
 from engine.layers.activation import gated_activation
 from engine.layers.attention import PagedAttention
+from engine.layers.batch_invariant import with_padded_rows
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -171,6 +172,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, rope, kv_cache)
         return x + residual
 
+    def output_projection(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
     def compute_logits(self, hidden: torch.Tensor, workspace: Workspace | None = None,
                        float32: bool = True) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `forward`'s output that get sampled; in
@@ -178,10 +184,8 @@ class LlamaForCausalLM(nn.Module):
         32 x 262k float32 tensor costs ~8 ms of page faults on the CPU). `float32=False`:
         the output projection's own (a greedy argmax needs no copy)."""
         hidden = self.model.norm(hidden)
-        if self.lm_head is None:  # tied to the embedding
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
-        else:
-            logits = self.lm_head(hidden)
+        # The sampled rows, padded where the step asks (engine.layers.batch_invariant)
+        logits = with_padded_rows(self.output_projection, hidden)
         if not float32:
             return logits
         if workspace is None:

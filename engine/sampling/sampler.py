@@ -75,13 +75,30 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request],
                        greedy: list[bool]) -> torch.Tensor:
-        """Samples every row (greedy rows are overridden by the caller) through the
-        exponential race argmax(p / Exp(1)), with each seeded request's own generator.
+        """Samples every row (greedy rows are overridden by the caller). A seeded row is
+        sampled alone, from its own generator: its candidates, their order and its noise
+        then depend on nothing else in the batch, so its tokens are the same whatever shares
+        its steps. The unseeded rows share one draw from the default generator."""
+        choice = torch.zeros(len(requests), dtype=torch.int64, device=logits.device)
+        unseeded = [row for row, request in enumerate(requests)
+                    if request.sampling.seed is None and not greedy[row]]
+        for row, request in enumerate(requests):
+            if request.sampling.seed is not None and not greedy[row]:
+                choice[row] = self._race(logits[row:row + 1], [request],
+                                         self._generator_for(request))[0]
+        if unseeded:
+            index = int_tensor(unseeded, logits.device)
+            choice.index_copy_(0, index, self._race(
+                logits.index_select(0, index), [requests[row] for row in unseeded],
+                self.default_generator))
+        return choice
 
-        Candidates: the top max(k) tokens when every sampling row has top_k (cheap), the whole
-        vocabulary sorted when top_p needs it, else the whole vocabulary as it is."""
-        sampling_rows = [r.sampling for r, is_greedy in zip(requests, greedy, strict=True)
-                         if not is_greedy]
+    def _race(self, logits: torch.Tensor, requests: list[Request],
+              generator: torch.Generator) -> torch.Tensor:
+        """The exponential race argmax(p / Exp(1)) over every row, its noise from
+        `generator`. Candidates: the top max(k) tokens when every row has top_k (cheap), the
+        whole vocabulary sorted when top_p needs it, else the whole vocabulary as it is."""
+        sampling_rows = [request.sampling for request in requests]
         candidate_ids = None  # dividing by a temperature keeps the order: select first
         if all(params.top_k > 0 for params in sampling_rows):
             width = min(max(params.top_k for params in sampling_rows), logits.shape[-1])
@@ -92,12 +109,7 @@ class Sampler:
                                      logits.dtype, logits.device)
         logits = logits / temperatures[:, None]
         probs = self._filter(logits, requests, is_sorted=candidate_ids is not None).softmax(-1)
-        noise = torch.empty_like(probs)
-        if all(request.sampling.seed is None for request in requests):
-            noise.exponential_(generator=self.default_generator)
-        else:
-            for row, request in enumerate(requests):
-                noise[row].exponential_(generator=self._generator_for(request))
+        noise = torch.empty_like(probs).exponential_(generator=generator)
         choice = first_max_index(probs / noise)
         return choice if candidate_ids is None else candidate_ids.gather(1, choice[:, None])[:, 0]
 
