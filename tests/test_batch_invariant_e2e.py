@@ -95,17 +95,28 @@ def generated_by_engine(server: LaunchedServer) -> dict[str, float]:
         r'^loom:engine_generation_tokens_total\{engine="(\d+)"\} (\S+)$', text, re.M)}
 
 
+def answer_with_logprobs(client: openai.OpenAI, prompt: str, seed: int) -> list:
+    """Each token with its top 5 log-probabilities: float32 values of the logits' own
+    log-softmax, exact in JSON, so equal lists mean equal logits' top of the distribution."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=1.0,
+        seed=seed, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=5)
+    return [(token.token, token.logprob, [(top.token, top.logprob) for top in token.top_logprobs])
+            for token in response.choices[0].logprobs.content]
+
+
 def test_two_data_parallel_replicas_give_the_same_answers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Each replica on its own core (one thread each), requests dealt round robin: every
-    seeded prompt answered by both replicas, the same text from each."""
+    seeded prompt answered by both replicas, the same tokens and log-probabilities from each."""
     launched = LaunchedServer(["--batch-invariant", "--data-parallel-size", "2",
                                "--routing-policy", "round_robin"])
     with launched.start(tmp_path_factory.mktemp("dp-logs")):
         client = openai.OpenAI(base_url=launched.base_url + "/v1", api_key="unused",
                                max_retries=0)
         for seed, prompt in enumerate(PROMPTS[:4]):
-            assert ask(client, prompt, seed) == ask(client, prompt, seed), prompt
+            first = answer_with_logprobs(client, prompt, seed)
+            assert answer_with_logprobs(client, prompt, seed) == first, prompt
         served = generated_by_engine(launched)
         assert set(served) == {"0", "1"} and min(served.values()) > 0, served
