@@ -25,7 +25,6 @@ from common.protocol import (
     StepStats,
 )
 from common.sockets import free_port
-from engine.attention.triton_backend import triton_supports
 from engine.block_manager import BlockManager
 from engine.distributed.tensor_parallel import (
     WorkerRanks,
@@ -34,7 +33,7 @@ from engine.distributed.tensor_parallel import (
     init_group,
     rank_layout,
 )
-from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder
+from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder, default_recorder
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.kv_cache_groups import KVCacheLayout
 from engine.platform.cpu import choose_dtype
@@ -111,7 +110,9 @@ class EngineCore:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.kv_layout = KVCacheLayout.for_model(model_config,
                                                  not config.disable_hybrid_kv_cache_manager)
-        self.recorder = self._default_recorder() if recorder == "auto" else recorder
+        if recorder == "auto":
+            recorder = default_recorder(self.device, self.config, self.model.config.head_dim)
+        self.recorder = recorder
         num_blocks = self._num_kv_blocks()
         if self.workers is not None:
             broadcast_int(num_blocks)  # every rank holds as many blocks, for its heads
@@ -167,19 +168,6 @@ class EngineCore:
         if self.workers is not None:
             self.workers.stop()
             self.workers = None
-
-    def _default_recorder(self) -> Recorder | None:
-        """CUDA graphs where the GPU path's attention (Triton) serves the model's shapes."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
-        if self.config.tensor_parallel_size > 1:
-            logger.warning("no CUDA graphs with tensor parallelism yet: decode steps run eager")
-            return None
-        if not triton_supports(self.model.config.head_dim, self.config.block_size):
-            logger.warning("no CUDA graphs: they need triton and power-of-two head dim and "
-                           "block size")
-            return None
-        return CudaGraphRecorder(self.device)
 
     def _make_runner(self, num_blocks: int, recorder: Recorder | None) -> ModelRunner:
         return ModelRunner(self.model, num_blocks, self.config.block_size, self.device,

@@ -15,7 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata, Workspace
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.workspace import Workspace
 
 
 class AttentionBackend(ABC):

@@ -35,7 +35,7 @@ class CpuBackend(TorchBackend):
         `tiled_prefill_supports` for the cache's dtype and shape); `rows_only`: every query
         row is a decode row of the C++ kernel (batch-invariant mode)."""
         super().__init__(block_size, num_kv_heads)
-        self.tiled_prefill = tiled_prefill and not rows_only
+        self.tiled_prefill = tiled_prefill
         self.rows_only = rows_only
 
     @staticmethod

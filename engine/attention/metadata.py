@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.triton_kernels import QueryRows
+from engine.attention.workspace import DEFAULT_WORKSPACE, Workspace
 from engine.kv_cache_groups import blocks_for
 from engine.platform.host_copy import int_tensor
 
@@ -33,28 +34,6 @@ KERNEL_PREFILL_MAX_TOKENS = 512
 # cached (a short chunk left) or not (a long one) (engine.layers.batch_invariant). Below 16
 # rows the decode kernel's rows are ~0.03 ms a layer faster; from 16 on, the tiles are.
 TILED_PREFILL_MIN_TOKENS = 2
-
-
-class Workspace:
-    """Grow-only scratch buffers reused across layers and steps.
-
-    Large temporaries get fresh pages from the OS on every allocation, so the
-    gathered K/V live in persistent flat buffers handed out as views.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
-
-    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (name, dtype, device, torch.is_inference_mode_enabled())
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buffer
-        return buffer[:numel]
-
-
-DEFAULT_WORKSPACE = Workspace()
 
 
 @dataclass(slots=True)

@@ -25,9 +25,10 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads
     """`num_heads`, `num_kv_heads`: this process's share of the model's heads.
     `batch_invariant`: every query row through the C++ kernel, or a ValueError saying why
     that cannot be here."""
+    cpp = kernel_enabled("LOOM_CPP_DECODE") and CpuBackend.supports(device, dtype, num_heads,
+                                                                    num_kv_heads, head_dim)
     if batch_invariant:
-        if not (kernel_enabled("LOOM_CPP_DECODE")
-                and CpuBackend.supports(device, dtype, num_heads, num_kv_heads, head_dim)):
+        if not cpp:
             raise ValueError(
                 f"--batch-invariant needs Loom's C++ attention kernel: a CPU, float32 or "
                 f"bfloat16, head_dim <= 256 and <= 16 query heads per KV head (here: "
@@ -37,8 +38,7 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads
     if kernel_enabled("LOOM_TRITON_ATTENTION") and TritonBackend.supports(device, head_dim,
                                                                     block_size):
         return TritonBackend(block_size, num_kv_heads)
-    if kernel_enabled("LOOM_CPP_DECODE") and CpuBackend.supports(device, dtype, num_heads,
-                                                           num_kv_heads, head_dim):
+    if cpp:
         return CpuBackend(block_size, num_kv_heads,
                           tiled_prefill_supports(dtype, head_dim, block_size))
     return TorchBackend(block_size, num_kv_heads, decode_kernel_for(device, dtype))

@@ -30,9 +30,10 @@ from typing import Protocol
 
 import torch
 
+from common.config import EngineConfig
 from engine.attention.forward_context import forward_context
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.triton_backend import TritonBackend
+from engine.attention.triton_backend import TritonBackend, triton_supports
 from engine.attention.triton_kernels import QueryRows
 from engine.kv_cache_groups import blocks_for
 
@@ -249,3 +250,18 @@ class DecodeGraphs:
         recorded = self.graphs[size]
         recorded.replay()
         return recorded.output[:len(token_ids)]
+
+
+def default_recorder(device: torch.device, config: EngineConfig,
+                     head_dim: int) -> Recorder | None:
+    """CUDA graphs where the GPU path's attention (Triton) serves the model's shapes."""
+    if device.type != "cuda" or config.enforce_eager:
+        return None
+    if config.tensor_parallel_size > 1:
+        logger.warning("no CUDA graphs with tensor parallelism yet: decode steps run eager")
+        return None
+    if not triton_supports(head_dim, config.block_size):
+        logger.warning("no CUDA graphs: they need triton and power-of-two head dim and "
+                       "block size")
+        return None
+    return CudaGraphRecorder(device)

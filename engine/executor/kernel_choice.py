@@ -52,8 +52,6 @@ class KernelChoice:
         cpp = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                and not compiled and kernel_enabled("LOOM_CPP_ELEMENTWISE")
                and load_elementwise() is not None)
-        if batch_invariant and compiled:
-            raise ValueError("--batch-invariant runs the forward eagerly: drop --compile")
         padded = device.type == "cpu" and not compiled
         return cls(backend, "cpu" if cpp else "native", compiled, batch_invariant, padded)
 

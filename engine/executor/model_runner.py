@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.forward_context import forward_context
-from engine.attention.metadata import Workspace
+from engine.attention.workspace import Workspace
 from engine.distributed.tensor_parallel import broadcast_step
 from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.executor.cuda_graphs import DecodeGraphs, Recorder

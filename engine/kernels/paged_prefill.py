@@ -15,7 +15,8 @@ import torch
 from engine.kernels.build import FLOAT, I64, INT, PTR, kernel_enabled, load_library
 
 if TYPE_CHECKING:
-    from engine.attention.metadata import PrefillBatch, Workspace
+    from engine.attention.metadata import PrefillBatch
+    from engine.attention.workspace import Workspace
 
 PREFILL_STEP_KEYS = 32  # the kernel pads each chunk's keys to this in its V^T scratch
 

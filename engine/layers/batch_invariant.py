@@ -31,17 +31,12 @@ from engine.quantization.base import QuantizedLinear
 MIN_ROWS = 64
 
 
-def rows_to_pad(rows: int) -> int:
-    """How many zero rows this step adds to a product of `rows` rows (0 in most steps)."""
-    return MIN_ROWS - rows if rows < MIN_ROWS and pads_products() else 0
-
-
 def with_padded_rows(multiply: Callable[[torch.Tensor], torch.Tensor],
                      x: torch.Tensor) -> torch.Tensor:
     """multiply(x), x padded with zero rows to MIN_ROWS where this step asks for it (see the
     module's docstring); the padding's rows are dropped from the result."""
-    extra = rows_to_pad(x.shape[0])
-    if not extra:
+    extra = MIN_ROWS - x.shape[0]
+    if extra <= 0 or not pads_products():
         return multiply(x)
     return multiply(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]))[:x.shape[0]]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.metadata import Workspace
+from engine.attention.workspace import Workspace
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryTables
 from engine.models.config import ModelConfig

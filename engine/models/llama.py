@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.metadata import Workspace
+from engine.attention.workspace import Workspace
 from engine.layers.activation import gated_activation
 from engine.layers.attention import PagedAttention
 from engine.layers.batch_invariant import with_padded_rows

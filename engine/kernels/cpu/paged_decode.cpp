@@ -7,6 +7,7 @@
 // caches of 64 tokens and more take tile products (DecodeTiles); elsewhere the compiler
 // vectorizes the plain loops.
 #include "amx.h"
+#include "avx512.h"
 #include "numerics.h"
 
 #include <algorithm>
@@ -234,9 +235,6 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 // at a time (even elements, then odd: two instructions), the output accumulators in
 // registers. Blocks must hold a multiple of 16 tokens: a block's last tokens past the
 // context are read (inside the block) and masked out.
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
 
 // Four tokens' vectors of partial sums -> one vector whose 128-bit lane L holds the four
 // tokens' sums of their lane-L elements, in token order.

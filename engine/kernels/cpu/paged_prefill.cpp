@@ -7,6 +7,7 @@
 // before the tasks. bf16 caches on a CPU with AMX only: callers ask
 // loom_prefill_tiles_available() first.
 #include "amx.h"
+#include "avx512.h"
 #include "numerics.h"
 
 #include <algorithm>
@@ -40,10 +41,6 @@ struct Chunk {
   int64_t padded_len() const { return (seq_len + kStep - 1) / kStep * kStep; }
   int64_t first_pos() const { return seq_len - query_len; }  // the position of its row 0
 };
-
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
 
 constexpr float kLog2e = 1.44269504088896341f;
 
