@@ -8,6 +8,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from common.speculative import SpeculativeConfig
+
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
 # Measured on W1 against 2048 and 4096 (docs/benchmarks.md): lower TTFT, same throughput. The
 # engine's flag defaults to its machine's budget (engine.platform.machine), this where a
@@ -42,6 +44,7 @@ class EngineConfig:
     # A row's logits the same bits whatever shares its step (engine.layers.batch_invariant)
     batch_invariant: bool = False
     quantization_group_size: int = 32  # int4: input channels per scale and zero
+    speculative_config: str | None = None  # JSON (common.speculative); None: no drafts
     grammar_compile_timeout: float = 5.0  # seconds a structured-output grammar may take to build
     tensor_parallel_size: int = 1  # ranks over torch.distributed (engine.distributed)
     nnodes: int = 1  # hosts the tensor-parallel ranks span, as many ranks on each
@@ -79,11 +82,19 @@ class EngineConfig:
             raise ValueError(f"node_rank {self.node_rank} is not among {self.nnodes} nodes")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("ranks on several nodes need --master-addr and --master-port")
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # a bad one fails at start
         if self.batch_invariant and self.compiled:
             raise ValueError("--batch-invariant runs the forward eagerly: drop --compile")
         if self.batch_invariant and self.tensor_parallel_size > 1:
             raise ValueError("--batch-invariant is not offered with tensor parallelism yet "
                              "(its all-reduce is not checked): use --tensor-parallel-size 1")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def compiled(self) -> bool:
@@ -121,6 +132,7 @@ class EngineConfig:
             batch_invariant=args.batch_invariant or batch_invariant_from_env(),
             quantization_group_size=args.quantization_group_size,
             grammar_compile_timeout=args.grammar_compile_timeout,
+            speculative_config=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
@@ -132,6 +144,14 @@ class EngineConfig:
 def batch_invariant_from_env() -> bool:
     """vLLM's switch for the same mode, read as ours."""
     return os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
+
+
+def speculative_json(text: str) -> str:
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +194,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "prefix-cache hits, chunking or preemption (bitwise-equal "
                              "logits); costs speed, see the README. VLLM_BATCH_INVARIANT=1 "
                              "sets it too")
+    engine.add_argument("--speculative-config", default=None, type=speculative_json,
+                        help='speculative decoding, vLLM\'s JSON: {"method": "ngram" | '
+                             '"suffix" | "draft_model", "num_speculative_tokens": k, '
+                             '"prompt_lookup_min": ..., "prompt_lookup_max": ..., "model": ...} '
+                             '(docs/speculative-decoding.md)')
     engine.add_argument("--quantization-group-size", type=int, default=32,
                         help="int4: input channels sharing one scale and zero (default 32)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -17,7 +17,7 @@ import msgpack
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
 
@@ -198,6 +198,12 @@ class StepStats:
     prefix_cache_hits_total: int = 0
     kv_integrity_violations_total: int = 0  # from the check run whenever the engine idles
     bad_frames_total: int = 0  # frames the engine could not decode and dropped
+    # Speculative decoding (engine.speculative): verifications with drafts, draft tokens,
+    # accepted ones, and accepted ones by draft position.
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_by_position_total: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list[Any]:
         return [getattr(self, name) for name in self.__slots__]
@@ -206,8 +212,12 @@ class StepStats:
     def from_wire(cls, wire) -> StepStats:
         if not isinstance(wire, list) or len(wire) != len(cls.__slots__):
             raise FrameError("bad step stats")
-        for name, value in zip(cls.__slots__, wire, strict=True):
+        *scalars, by_position = wire
+        for name, value in zip(cls.__slots__, scalars, strict=False):
             _expect(value, int | float, name)
+        _expect(by_position, list, "spec_decode_accepted_by_position_total")
+        for value in by_position:
+            _expect(value, int, "spec_decode_accepted_by_position_total")
         return cls(*wire)
 
 

@@ -241,6 +241,14 @@ class BlockManager:
             if self.inflight[group].get(block.block_hash) == block.block_id:
                 del self.inflight[group][block.block_hash]
 
+    def release_beyond(self, request: Request, num_tokens: int) -> None:
+        """Gives back the blocks past the first num_tokens' (slots of rejected drafts)."""
+        needed = blocks_for(num_tokens, self.block_size)
+        for group, table in enumerate(request.block_tables):
+            for index in range(len(table) - 1, needed - 1, -1):
+                self._release(request, group, index)
+                table.pop()
+
     def free(self, request: Request) -> None:
         # Tail first: the end of a chain is evicted before its parents.
         for group, table in enumerate(request.block_tables):

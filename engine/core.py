@@ -40,9 +40,12 @@ from engine.platform.cpu import choose_dtype
 from engine.platform.machine import Machine
 from engine.quantization.registry import quantization_summary
 from engine.request import Request
-from engine.sampling.grammar import Constraint, GrammarBuild, GrammarCompiler
+from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.grammar_waitlist import AwaitingGrammar, GrammarWaitlist
 from engine.sampling.sampler import Sampler
 from engine.scheduler import RequestRefused, ScheduledChunk, Scheduler, StepTrace
+from engine.speculative.speculator import Speculator
+from engine.speculative.verify import drafted_rows, split_samples
 from engine.weights.loader import load_model, weight_bytes
 
 logger = logging.getLogger("loom.engine")
@@ -63,19 +66,6 @@ def _rss_text() -> str:
     except OSError:
         pass
     return "unknown"
-
-
-@dataclass(slots=True)
-class AwaitingGrammar:
-    request: Request
-    builds: list[GrammarBuild]  # one per grammar of the request
-
-    def running_for(self, now: float) -> float:
-        return max(build.running_for(now) for build in self.builds)
-
-    @property
-    def is_built(self) -> bool:
-        return all(build.future.done() for build in self.builds)
 
 
 @dataclass(slots=True)
@@ -123,8 +113,10 @@ class EngineCore:
         self.runner = self._make_runner(num_blocks, self.recorder)
         logger.info("%s", self.runner.kernels.describe())  # once: not for the graph probe
         self.sampler = Sampler(self.device, config.seed)
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, self.max_model_len)
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
-        self.awaiting_grammar: dict[str, AwaitingGrammar] = {}
+        self.grammar_waitlist = GrammarWaitlist(self.grammars, config.grammar_compile_timeout)
         self.step_threads = torch.get_num_threads()
         self.totals = EngineTotals()
         self.record_traces = record_traces
@@ -245,57 +237,36 @@ class EngineCore:
         waits outside the scheduler (no seat, no KV block) until its grammar is built."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling,
                           message.arrival_time, message.priority)
-        if request.request_id in self.awaiting_grammar:
+        if request.request_id in self.grammar_waitlist:
             raise RequestRefused(f"request id {request.request_id!r} is already in use")
-        grammars = request.sampling.grammars
-        if not grammars:
+        if not request.sampling.grammars:
             self.scheduler.add(request)
             return
         self.scheduler.check_new(request)
-        self.awaiting_grammar[request.request_id] = AwaitingGrammar(
-            request, [self.grammars.submit(grammar) for grammar in grammars])
+        self.grammar_waitlist.add(request)
 
     def admit_constrained(self) -> list[RequestError]:
         """Moves each request whose grammar is built into the scheduler, with its own matcher;
         fails those whose grammar errs or outlasts --grammar-compile-timeout."""
-        errors = []
-        now = time.monotonic()
-        for request_id, waiting in list(self.awaiting_grammar.items()):
-            if not waiting.is_built:
-                if waiting.running_for(now) > self.config.grammar_compile_timeout:
-                    del self.awaiting_grammar[request_id]
-                    errors.append(RequestError(request_id, (
-                        f"the structured-output grammar took more than "
-                        f"{self.config.grammar_compile_timeout:g} s to compile")))
-                continue
-            del self.awaiting_grammar[request_id]
+        built, failed = self.grammar_waitlist.take_built()
+        errors = [RequestError(request_id, reason) for request_id, reason in failed.items()]
+        for request in built:
             try:
-                matchers = [build.future.result().deep_copy() for build in waiting.builds]
-            except Exception as exc:  # whatever a build raises fails its request only
-                errors.append(RequestError(request_id, f"invalid structured-output grammar: {exc}"))
-                continue
-            waiting.request.constraint = Constraint(matchers)
-            try:
-                self.scheduler.add(waiting.request)
+                self.scheduler.add(request)
             except RequestRefused as exc:
-                errors.append(RequestError(request_id, str(exc)))
+                errors.append(RequestError(request.request_id, str(exc)))
         for error in errors:
             logger.info("refused %s: %s", error.request_id, error.reason)
         return errors
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            waiting = self.awaiting_grammar.pop(request_id, None)
-            if waiting is None:
-                continue
-            for grammar in waiting.request.sampling.grammars:
-                if not self._grammar_awaited(grammar):
-                    self.grammars.forget(grammar)
+        self.grammar_waitlist.abort(request_ids)
         for request in self.scheduler.abort(request_ids):
-            self.sampler.forget(request.request_id)
+            self._forget(request)
 
-    def _grammar_awaited(self, grammar: str) -> bool:
-        return any(grammar in w.request.sampling.grammars for w in self.awaiting_grammar.values())
+    @property
+    def awaiting_grammar(self) -> dict[str, AwaitingGrammar]:
+        return self.grammar_waitlist.waiting
 
     @property
     def has_work(self) -> bool:
@@ -320,31 +291,53 @@ class EngineCore:
         started = time.perf_counter()
         self.check_ranks()  # a step with a dead rank would wait on it
         self._share_cores_with_grammar_builds()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.scheduler.step_count + 1)
         scheduled = self.scheduler.schedule()
         requests: list[Request] = []
-        token_ids: list[int] = []
+        drafts: list[list[int]] = []
+        tokens: list[list[int]] = []
         logprobs: list = []
         if not scheduled.is_empty:
             sampling_chunks, logits = self._execute(scheduled.chunks)
             requests = [chunk.request for chunk in sampling_chunks]
+            drafts = [chunk.draft_token_ids for chunk in sampling_chunks]
             if requests:  # a step of prefill chunks only samples nothing
-                result = self.sampler.sample(logits, requests, self.eos_token_ids)
-                token_ids, logprobs = result.token_ids, result.logprobs
-        num_prompt_tokens = sum(chunk.num_tokens for chunk in scheduled.chunks
+                result = self.sampler.sample(logits, drafted_rows(requests, drafts),
+                                             self.eos_token_ids)
+                tokens, logprobs = split_samples(result.token_ids, result.logprobs, drafts)
+        num_prompt_tokens = sum(chunk.num_known_tokens for chunk in scheduled.chunks
                                 if not chunk.is_decode)
         finished = self.scheduler.update(scheduled, dict(zip(
-            (r.request_id for r in requests), token_ids, strict=True)))
-        for request in finished:
-            self.sampler.forget(request.request_id)
+            (r.request_id for r in requests), tokens, strict=True)))  # cut where they stop
+        self._after_verification(requests, drafts, tokens, finished)
         outputs = [
-            RequestOutput(r.request_id, [token_id], r.finish_reason, r.num_cached_tokens,
-                          None if token_logprobs is None else [token_logprobs],
-                          r.queue_time_s if r.num_output_tokens == 1 else None)
-            for r, token_id, token_logprobs in zip(requests, token_ids, logprobs, strict=True)
+            RequestOutput(r.request_id, new_tokens, r.finish_reason, r.num_cached_tokens,
+                          None if token_logprobs is None else token_logprobs[:len(new_tokens)],
+                          r.queue_time_s if r.num_output_tokens == len(new_tokens) else None)
+            for r, new_tokens, token_logprobs in zip(requests, tokens, logprobs, strict=True)
         ]
-        self._record(scheduled.trace, num_prompt_tokens, len(token_ids))
-        stats = self._stats(num_prompt_tokens, len(token_ids), time.perf_counter() - started)
+        num_generated = sum(map(len, tokens))
+        self._record(scheduled.trace, num_prompt_tokens, num_generated)
+        step_time = time.perf_counter() - started
+        if self.speculator is not None and num_prompt_tokens == 0 and not scheduled.is_empty:
+            self.speculator.observe_step(scheduled.num_scheduled_tokens, step_time)
+        stats = self._stats(num_prompt_tokens, num_generated, step_time)
         return StepOutputs(step=scheduled.trace.step, outputs=outputs, stats=stats)
+
+    def _after_verification(self, requests: list[Request], drafts: list[list[int]],
+                            tokens: list[list[int]], finished: list[Request]) -> None:
+        if self.speculator is not None:
+            for request, request_drafts, new_tokens in zip(requests, drafts, tokens,
+                                                            strict=True):
+                self.speculator.record(request, request_drafts, new_tokens)
+        for request in finished:
+            self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        self.sampler.forget(request.request_id)
+        if self.speculator is not None:
+            self.speculator.finished(request)
 
     def _execute(self, chunks: list[ScheduledChunk],
                  ) -> tuple[list[ScheduledChunk], torch.Tensor]:
@@ -382,7 +375,17 @@ class EngineCore:
             prefix_cache_queries_total=self.block_manager.stats.queries,
             prefix_cache_hits_total=self.block_manager.stats.hits,
             kv_integrity_violations_total=self.block_manager.num_integrity_violations,
+            **self._spec_totals(),
         )
+
+    def _spec_totals(self) -> dict:
+        if self.speculator is None:
+            return {}
+        totals = self.speculator.totals
+        return {"spec_decode_num_drafts_total": totals.num_drafts,
+                "spec_decode_num_draft_tokens_total": totals.num_draft_tokens,
+                "spec_decode_num_accepted_tokens_total": totals.num_accepted_tokens,
+                "spec_decode_accepted_by_position_total": list(totals.accepted_by_position)}
 
     def check_integrity(self) -> list[str]:
         problems = self.block_manager.check_integrity(self.scheduler.live_requests)

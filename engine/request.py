@@ -41,6 +41,7 @@ class Request:
     queue_time_s: float | None = None  # until first scheduled; preemption does not reset it
     output_token_counts: Counter[int] = field(default_factory=Counter)  # for penalties
     constraint: Constraint | None = None  # its grammars' matchers when constrained
+    draft_token_ids: list[int] = field(default_factory=list)  # speculated for this step
     _prompt_token_set: frozenset[int] | None = None
 
     def __post_init__(self) -> None:

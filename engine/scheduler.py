@@ -36,16 +36,22 @@ class WaitReason:
 @dataclass(slots=True)
 class ScheduledChunk:
     request: Request
-    num_tokens: int
+    num_tokens: int  # the drafts included
+    draft_token_ids: list[int] = field(default_factory=list)  # verified after its last token
 
     @property
     def is_decode(self) -> bool:
         return self.request.num_output_tokens > 0 and self.request.num_uncomputed_tokens == 1
 
     @property
+    def num_known_tokens(self) -> int:
+        """The chunk's tokens of the request's own (not drafts)."""
+        return self.num_tokens - len(self.draft_token_ids)
+
+    @property
     def completes_sequence(self) -> bool:
         """After this chunk every token has K/V, so the step samples the next token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_known_tokens == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -196,16 +202,28 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break  # the request preempted itself: nothing after it is running any more
-            self.block_manager.allocate(request, target)
-            chunks.append(ScheduledChunk(request, num_tokens))
-            budget -= num_tokens
+            spare = budget - num_tokens - (len(self.running) - index - 1)
+            drafts = self._drafts_that_fit(request, num_tokens, spare)
+            self.block_manager.allocate(request, target + len(drafts))
+            chunks.append(ScheduledChunk(request, num_tokens + len(drafts), drafts))
+            budget -= num_tokens + len(drafts)
             index += 1
         return budget
+
+    def _drafts_that_fit(self, request: Request, num_tokens: int, spare: int) -> list[int]:
+        """A decode's drafts ride along where `spare` budget (a token kept for each running
+        request after it) and free blocks allow; they never preempt anyone."""
+        drafts = request.draft_token_ids[:max(spare, 0)]
+        if drafts and num_tokens == request.num_uncomputed_tokens == 1 and \
+                self.block_manager.can_allocate(request, request.num_tokens + len(drafts)):
+            return drafts
+        return []
 
     def _preempt(self, request: Request, trace: StepTrace) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         trace.preempted.append(request.request_id)
@@ -269,22 +287,31 @@ class Scheduler:
         for request in self.waiting:
             trace.waited[request.request_id] = WaitReason.BATCH_CLOSED
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results; returns the requests that finished in it."""
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Apply a step's results: each sampling request's new tokens (its accepted drafts,
+        then the token its step sampled), cut in place where the request stops. Returns the
+        requests that finished in it."""
         finished = []
         for chunk in output.chunks:
             request = chunk.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += chunk.num_tokens
+            tokens = sampled.get(request.request_id, [])
+            # Accepted drafts have their K/V now; a rejected one's slot is written over later.
+            request.num_computed_tokens += chunk.num_known_tokens + max(len(tokens) - 1, 0)
+            reason = None
+            for taken, token_id in enumerate(tokens, start=1):
+                request.append_token(token_id)
+                reason = request.check_stop(self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    del tokens[taken:]
+                    break
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.block_manager.commit(request)
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
-                continue
-            request.append_token(token_id)
-            reason = request.check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)
                 output.trace.finished.append(request.request_id)
+            elif chunk.draft_token_ids:
+                self.block_manager.release_beyond(request, request.num_tokens)
         return finished

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import AddRequest, FinishReason
+from common.protocol import AddRequest, FinishReason, RequestOutput
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient
 from frontend.request_metrics import ERROR, RequestTimer
@@ -107,30 +107,39 @@ class Generation:
     async def _deltas(self, outputs: RequestStream) -> AsyncIterator[Delta]:
         async for output in outputs:
             self._timer.tokens(len(output.new_token_ids), output.queue_time_s)
-            self.usage.completion_tokens += len(output.new_token_ids)
             self.usage.cached_tokens = output.num_cached_tokens
-            token_ids = output.new_token_ids
-            finish_reason = output.finish_reason
-            if (
-                finish_reason == FinishReason.STOP
-                and token_ids
-                and token_ids[-1] in self._stop_token_ids
-            ):
-                token_ids = token_ids[:-1]
-            if token_ids and min(token_ids) < 0:
-                raise EngineRequestError(f"the engine sent negative token ids: {token_ids}")
-            text, logprobs = self._detokenize(token_ids, output.logprobs)
-            if finish_reason is not None:
-                text += self._detokenizer.flush()
-            matched = self._stop_strings.feed(text)
-            if matched.stopped:
-                yield Delta(matched.text, FinishReason.STOP, logprobs)
-                return
-            if finish_reason is not None:
-                yield Delta(matched.text + self._stop_strings.flush(), finish_reason, logprobs)
-                return
-            if matched.text or logprobs:
-                yield Delta(matched.text, logprobs=logprobs)
+            for single in one_token_each(output):
+                delta = self._delta(single)
+                if delta is not None:
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+
+    def _delta(self, output: RequestOutput) -> Delta | None:
+        """One output of at most one token as text: stop strings then see every token the
+        way a step-by-step engine sends them, and nothing past a stop is counted."""
+        self.usage.completion_tokens += len(output.new_token_ids)
+        token_ids = output.new_token_ids
+        finish_reason = output.finish_reason
+        if (
+            finish_reason == FinishReason.STOP
+            and token_ids
+            and token_ids[-1] in self._stop_token_ids
+        ):
+            token_ids = token_ids[:-1]
+        if token_ids and min(token_ids) < 0:
+            raise EngineRequestError(f"the engine sent negative token ids: {token_ids}")
+        text, logprobs = self._detokenize(token_ids, output.logprobs)
+        if finish_reason is not None:
+            text += self._detokenizer.flush()
+        matched = self._stop_strings.feed(text)
+        if matched.stopped:
+            return Delta(matched.text, FinishReason.STOP, logprobs)
+        if finish_reason is not None:
+            return Delta(matched.text + self._stop_strings.flush(), finish_reason, logprobs)
+        if matched.text or logprobs:
+            return Delta(matched.text, logprobs=logprobs)
+        return None
 
     def _detokenize(
         self, token_ids: list[int], raw_logprobs: list[Any] | None
@@ -164,6 +173,20 @@ class Generation:
             logprobs.extend(delta.logprobs)
             finish_reason = delta.finish_reason
         return Delta("".join(parts), finish_reason, logprobs)
+
+
+def one_token_each(output: RequestOutput) -> list[RequestOutput]:
+    """An output of several tokens (accepted drafts) as one output per token; the finish
+    reason goes with the last."""
+    token_ids = output.new_token_ids
+    if len(token_ids) <= 1:
+        return [output]
+    logprobs = output.logprobs
+    return [RequestOutput(output.request_id, [token_id],
+                          output.finish_reason if index == len(token_ids) - 1 else None,
+                          output.num_cached_tokens,
+                          None if logprobs is None else logprobs[index:index + 1])
+            for index, token_id in enumerate(token_ids)]
 
 
 def _token_logprob(token_id: int, raw: Any, text_offset: int) -> TokenLogprob:

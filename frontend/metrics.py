@@ -89,6 +89,16 @@ class LoomMetrics:
         self.engine_bad_frames = RunningTotal(
             counter("engine_bad_frames_total", "Frontend frames the engine dropped as malformed.")
         )
+        self.spec_drafts = RunningTotal(counter(
+            "spec_decode_num_drafts", "Speculative verifications that carried drafts."))
+        self.spec_draft_tokens = RunningTotal(counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."))
+        self.spec_accepted_tokens = RunningTotal(counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."))
+        self._spec_accepted_by_position = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+            "(0: the first draft of a verification).", ["position"])
+        self._spec_positions: dict[int, RunningTotal] = {}
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
         )
@@ -158,6 +168,7 @@ class LoomMetrics:
         self.prefix_cache_hits.advance_to(stats.prefix_cache_hits_total, engine)
         self.kv_integrity_violations.advance_to(stats.kv_integrity_violations_total, engine)
         self.engine_bad_frames.advance_to(stats.bad_frames_total, engine)
+        self._observe_spec(stats, engine)
         if stats.step_time_s > 0:  # the frame sent on going idle is not a step
             self.step_time.observe(stats.step_time_s)
         rank = str(engine)
@@ -168,6 +179,17 @@ class LoomMetrics:
         self.engine_generation_tokens.labels(rank).inc(generation_tokens)
         self.engine_prefix_cache_queries.advance_to(stats.prefix_cache_queries_total, engine)
         self.engine_prefix_cache_hits.advance_to(stats.prefix_cache_hits_total, engine)
+
+    def _observe_spec(self, stats: StepStats, engine: int) -> None:
+        self.spec_drafts.advance_to(stats.spec_decode_num_drafts_total, engine)
+        self.spec_draft_tokens.advance_to(stats.spec_decode_num_draft_tokens_total, engine)
+        self.spec_accepted_tokens.advance_to(stats.spec_decode_num_accepted_tokens_total, engine)
+        for position, total in enumerate(stats.spec_decode_accepted_by_position_total):
+            series = self._spec_positions.get(position)
+            if series is None:
+                series = self._spec_positions[position] = RunningTotal(
+                    self._spec_accepted_by_position.labels(str(position)))
+            series.advance_to(total, engine)
 
     def engine_gone(self, engine: int) -> None:
         """A dead engine runs and queues nothing: the sums leave it out until it reports."""

@@ -34,7 +34,7 @@ def make_request(request_id: str, prompt_len: int = 0, max_tokens: int = 4, prio
 
 def run_step(scheduler: Scheduler) -> SchedulerOutput:
     output = scheduler.schedule()
-    sampled = {chunk.request.request_id: FILLER_TOKEN
+    sampled = {chunk.request.request_id: [FILLER_TOKEN]
                for chunk in output.chunks if chunk.completes_sequence}
     scheduler.update(output, sampled)
     assert scheduler.block_manager.check_integrity(scheduler.live_requests) == []

@@ -174,7 +174,7 @@ def test_eos_stops_unless_ignored_and_min_tokens_defers_it():
         scheduler.add(request)
     while scheduler.has_work:
         output = scheduler.schedule()
-        scheduler.update(output, {c.request.request_id: 0 for c in output.chunks
+        scheduler.update(output, {c.request.request_id: [0] for c in output.chunks
                                   if c.completes_sequence})
     assert stopped.output_token_ids == [0] and stopped.finish_reason == "stop"
     assert ignoring.output_token_ids == [0, 0, 0] and ignoring.finish_reason == "length"

@@ -46,18 +46,22 @@ class StepInputs:
     block_tables: list[list[list[int]]] = field(default_factory=list)  # [group][request]
     sample_rows: list[int] = field(default_factory=list)  # the rows whose logits are sampled
     sampling_chunks: list[ScheduledChunk] = field(default_factory=list)
+    has_prompt_rows: bool = False  # a chunk computes more than one token of its request's own
 
     @classmethod
     def gather(cls, chunks: list[ScheduledChunk], block_size: int,
                num_groups: int = 1) -> StepInputs:
-        # Decodes first, then prefill chunks: attention can treat the two groups separately.
+        # Decodes first, then prefill chunks and drafted decodes: attention can treat the
+        # two groups separately. A drafted decode samples its last token's row and its
+        # drafts' rows.
         inputs = cls(slot_mappings=[[] for _ in range(num_groups)],
                      block_tables=[[] for _ in range(num_groups)])
         for chunk in sorted(chunks, key=lambda chunk: chunk.num_tokens > 1):
             request = chunk.request
             start = request.num_computed_tokens
             end = start + chunk.num_tokens
-            inputs.token_ids.extend(request.token_ids[start:end])
+            inputs.token_ids.extend(request.token_ids[start:start + chunk.num_known_tokens])
+            inputs.token_ids.extend(chunk.draft_token_ids)
             inputs.positions.extend(range(start, end))
             for table, slots, tables in zip(request.block_tables, inputs.slot_mappings,
                                             inputs.block_tables, strict=True):
@@ -66,8 +70,10 @@ class StepInputs:
                 tables.append(table)
             inputs.query_lens.append(chunk.num_tokens)
             inputs.seq_lens.append(end)
+            inputs.has_prompt_rows |= chunk.num_known_tokens > 1
             if chunk.completes_sequence:
-                inputs.sample_rows.append(len(inputs.token_ids) - 1)
+                rows = len(inputs.token_ids)
+                inputs.sample_rows.extend(range(rows - 1 - len(chunk.draft_token_ids), rows))
                 inputs.sampling_chunks.append(chunk)
         return inputs
 
@@ -82,7 +88,7 @@ class StepInputs:
                   for block in (*table, *[0] * (width - len(table)))]
         slots = [slot for group in self.slot_mappings for slot in group]
         header = [len(self.token_ids), len(self.query_lens), width, len(self.sample_rows),
-                  len(self.block_tables)]
+                  len(self.block_tables), int(self.has_prompt_rows)]
         return torch.tensor([*header, *self.token_ids, *self.positions, *slots,
                              *self.query_lens, *self.seq_lens, *tables, *self.sample_rows],
                             dtype=torch.int64)
@@ -92,8 +98,8 @@ class StepInputs:
         """`pack`'s inverse (the sampling chunks stay with rank 0). A block table comes back
         padded with block 0, which attention never reads past the sequence's length."""
         values = packed.tolist()
-        tokens, requests, width, samples, groups = values[:5]
-        cuts = itertools.accumulate([5, tokens, tokens, groups * tokens, requests, requests,
+        tokens, requests, width, samples, groups, has_prompt_rows = values[:6]
+        cuts = itertools.accumulate([6, tokens, tokens, groups * tokens, requests, requests,
                                      groups * requests * width, samples])
         parts = [values[start:end] for start, end in itertools.pairwise(cuts)]
         token_ids, positions, slots, query_lens, seq_lens, tables, sample_rows = parts
@@ -101,7 +107,8 @@ class StepInputs:
         return cls(token_ids, positions,
                    [slots[g * tokens:(g + 1) * tokens] for g in range(groups)],
                    query_lens, seq_lens,
-                   [rows[g * requests:(g + 1) * requests] for g in range(groups)], sample_rows)
+                   [rows[g * requests:(g + 1) * requests] for g in range(groups)], sample_rows,
+                   has_prompt_rows=bool(has_prompt_rows))
 
 
 class ModelRunner:
@@ -194,7 +201,7 @@ class ModelRunner:
         # 0 as padding, which attention leaves out: engine.layers.batch_invariant); the
         # batch-invariant mode pads every step.
         pad = self.kernels.padded_steps and (self.kernels.batch_invariant
-                                              or not inputs.is_decode_only)
+                                              or inputs.has_prompt_rows)
         token_ids, positions = inputs.token_ids, inputs.positions
         extra = MIN_ROWS - len(token_ids) if pad else 0
         if extra > 0:

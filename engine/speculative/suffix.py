@@ -1,0 +1,127 @@
+"""Suffix decoding (vLLM's "suffix" method, after Arctic Inference's SuffixDecoding):
+drafts from how often each token followed the request's latest context, counted over its own
+prompt and output and over the outputs of recent finished requests (agents repeat
+themselves across requests). The longest context seen (up to `max_depth` tokens) predicts
+the next token; drafting goes on while the product of those frequencies stays at least
+`min_token_prob`, at most `max_spec_factor` tokens per matched context token.
+
+Contexts are keyed by a polynomial hash: a collision can only cost a rejected draft."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+_MODULUS = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+def context_hashes(tokens: list[int], end: int, max_depth: int) -> list[int]:
+    """Hashes of tokens[end - n:end] for n = 1..max_depth (as far as `end` allows)."""
+    hashes = []
+    value = 0
+    for position in range(end - 1, max(end - max_depth, 0) - 1, -1):
+        value = (value * _BASE + tokens[position] + 1) % _MODULUS
+        hashes.append(value)
+    return hashes
+
+
+@dataclass(slots=True)
+class FollowCounts:
+    """context hash -> {next token: count}, over the sequences added to it."""
+
+    max_depth: int
+    counts: dict[int, dict[int, int]] = field(default_factory=dict)
+
+    def add(self, tokens: list[int], start: int, stop: int, sign: int = 1) -> None:
+        """Counts the tokens at positions start..stop-1 after their contexts."""
+        for position in range(max(start, 1), stop):
+            token = tokens[position]
+            for key in context_hashes(tokens, position, self.max_depth):
+                follow = self.counts.setdefault(key, {})
+                count = follow.get(token, 0) + sign
+                if count > 0:
+                    follow[token] = count
+                else:
+                    follow.pop(token, None)
+                    if not follow:
+                        del self.counts[key]
+
+
+@dataclass(slots=True)
+class RequestCounts:
+    follows: FollowCounts
+    num_counted: int = 0  # tokens counted so far
+
+    def catch_up(self, tokens: list[int]) -> None:
+        self.follows.add(tokens, self.num_counted, len(tokens))
+        self.num_counted = len(tokens)
+
+
+class SuffixProposer:
+    def __init__(self, max_depth: int, max_spec_factor: float, min_token_prob: float,
+                 max_cached_requests: int) -> None:
+        self.max_depth = max_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.max_cached_requests = max_cached_requests
+        self.running: dict[str, RequestCounts] = {}
+        self.shared = FollowCounts(max_depth)  # outputs of finished requests
+        self.shared_outputs: deque[list[int]] = deque()
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        own = self.running.get(request.request_id)
+        if own is None:
+            own = self.running[request.request_id] = RequestCounts(FollowCounts(self.max_depth))
+        own.catch_up(request.token_ids)
+        tokens = request.token_ids[-self.max_depth:]
+        drafts: list[int] = []
+        probability = 1.0
+        limit = max_drafts
+        while len(drafts) < limit:
+            order, follow = self._longest_context(own.follows, tokens)
+            if not follow:
+                break
+            token, count = max(follow.items(), key=lambda item: item[1])
+            probability *= count / sum(follow.values())
+            if probability < self.min_token_prob:
+                break
+            if not drafts:
+                limit = min(max_drafts, math.ceil(self.max_spec_factor * order))
+            drafts.append(token)
+            tokens = [*tokens, token][-self.max_depth:]
+        return drafts
+
+    def _longest_context(self, own: FollowCounts, tokens: list[int],
+                         ) -> tuple[int, dict[int, int]]:
+        """The longest suffix of `tokens` followed by anything, here or in finished
+        requests' outputs, and what followed it (both counts added)."""
+        hashes = context_hashes(tokens, len(tokens), self.max_depth)
+        for order in range(len(hashes), 0, -1):
+            key = hashes[order - 1]
+            mine, theirs = own.counts.get(key), self.shared.counts.get(key)
+            if mine and theirs:
+                merged = dict(theirs)
+                for token, count in mine.items():
+                    merged[token] = merged.get(token, 0) + count
+                return order, merged
+            if mine or theirs:
+                return order, mine or theirs
+        return 0, {}
+
+    def finished(self, request: Request) -> None:
+        """A finished request's output joins what later requests draft from (the oldest
+        leaves beyond `max_cached_requests`)."""
+        if self.running.pop(request.request_id, None) is None or not self.max_cached_requests:
+            return
+        if request.finish_reason == "abort" or request.num_output_tokens < 2:
+            return
+        output = request.output_token_ids
+        self.shared.add(output, 0, len(output))
+        self.shared_outputs.append(output)
+        while len(self.shared_outputs) > self.max_cached_requests:
+            old = self.shared_outputs.popleft()
+            self.shared.add(old, 0, len(old), sign=-1)
