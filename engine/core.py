@@ -335,7 +335,6 @@ class EngineCore:
             self._forget(request)
 
     def _forget(self, request: Request) -> None:
-        self.sampler.forget(request.request_id)
         if self.speculator is not None:
             self.speculator.finished(request)
 

@@ -13,6 +13,7 @@ from engine.platform.host_copy import device_tensor, download, int_tensor
 from engine.request import Request
 from engine.sampling.logits_processors import edits_logits, process_logits
 
+POSITION_MIX = 0x9E3779B97F4A7C15  # spreads seeds apart before a position is added
 TokenLogprobs = list[Any]  # [chosen token logprob, [[top token id, logprob], ...]]
 
 
@@ -26,20 +27,16 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
-        self.request_generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_id: str) -> None:
-        self.request_generators.pop(request_id, None)
 
     def _generator_for(self, request: Request) -> torch.Generator:
+        """A seeded request's noise for its next output token comes from (seed, the token's
+        position) alone: how its tokens were grouped into steps (drafts verified together,
+        preemption) cannot change which noise a position gets."""
         seed = request.sampling.seed
         if seed is None:
             return self.default_generator
-        generator = self.request_generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self.request_generators[request.request_id] = generator
-        return generator
+        position_seed = (seed * POSITION_MIX + request.num_output_tokens) % 2**63
+        return torch.Generator(device=self.device).manual_seed(position_seed)
 
     @staticmethod
     def takes_raw_logits(requests: list[Request]) -> bool:

@@ -1,47 +1,49 @@
-"""What a drafted token costs: step time fitted as a + b * rows over recent steps without
-prompt chunks (least squares, older steps weighing less). Verifying one more row costs b;
-with N rows decoding, a step yields a token per (a + b N) / N seconds, so a draft that is
-accepted with probability q pays when q exceeds `row_cost(N)` = b N / (a + b N)."""
+"""What a step of R rows (decodes and their drafts) takes, learned from the steps run: the
+latest time seen at each row count (smoothed), and for counts not yet seen a line fitted
+through the seen ones, never below a smaller count's time. Step time is far from linear in
+the rows on a CPU (a 4-bit kernel serves up to 4 rows, a dense copy above: one stream's
+step doubles from 4 rows to 5), so the table is what decides; the line only guesses, and a
+guess that is too cheap gets tried once and measured."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-DECAY = 0.98  # per step: the fit follows the last ~50 steps
-PRIOR_ROW_SHARE = 0.02  # b / a before any step is measured: rows nearly free (one stream)
-MIN_ROWS_SPREAD = 1.0  # weighted variance of the row counts below which b keeps its prior
+SMOOTHING = 0.3  # weight of the newest step at its row count
+PRIOR_ROW_SHARE = 0.02  # a row's share of a one-row step, before two row counts are seen
 
 
 @dataclass(slots=True)
 class StepCost:
-    weight: float = 0.0
-    rows: float = 0.0  # weighted sums
-    seconds: float = 0.0
-    rows_squared: float = 0.0
-    rows_seconds: float = 0.0
+    seconds_by_rows: dict[int, float] = field(default_factory=dict)
 
     def observe(self, num_rows: int, seconds: float) -> None:
-        self.weight = self.weight * DECAY + 1
-        self.rows = self.rows * DECAY + num_rows
-        self.seconds = self.seconds * DECAY + seconds
-        self.rows_squared = self.rows_squared * DECAY + num_rows * num_rows
-        self.rows_seconds = self.rows_seconds * DECAY + num_rows * seconds
+        seen = self.seconds_by_rows.get(num_rows)
+        self.seconds_by_rows[num_rows] = seconds if seen is None else (
+            seen + SMOOTHING * (seconds - seen))
 
-    @property
-    def fit(self) -> tuple[float, float]:
-        """(a, b), each at least a small positive share of the step."""
-        if self.weight == 0:
-            return 1.0, PRIOR_ROW_SHARE
-        mean_rows, mean_seconds = self.rows / self.weight, self.seconds / self.weight
-        spread = self.rows_squared / self.weight - mean_rows ** 2
-        if spread < MIN_ROWS_SPREAD:
-            a = mean_seconds / (1 + PRIOR_ROW_SHARE * mean_rows)
+    def seconds(self, num_rows: int) -> float:
+        """The step time expected at `num_rows` (1.0 per step before anything is seen)."""
+        seen = self.seconds_by_rows.get(num_rows)
+        if seen is not None:
+            return seen
+        floor = max((t for rows, t in self.seconds_by_rows.items() if rows < num_rows),
+                    default=0.0)
+        a, b = self._line()
+        return max(a + b * num_rows, floor)
+
+    def _line(self) -> tuple[float, float]:
+        """Least squares through the seen counts; with fewer than two, a line through the
+        one seen (or 1 s) with the prior slope."""
+        points = self.seconds_by_rows
+        if len(points) < 2:
+            rows, seconds = next(iter(points.items()), (1, 1.0))
+            a = seconds / (1 + PRIOR_ROW_SHARE * rows)
             return a, a * PRIOR_ROW_SHARE
-        b = (self.rows_seconds / self.weight - mean_rows * mean_seconds) / spread
-        b = max(b, 1e-3 * mean_seconds / max(mean_rows, 1.0))
-        a = max(mean_seconds - b * mean_rows, 0.05 * mean_seconds)
-        return a, b
-
-    def row_cost(self, num_rows: int) -> float:
-        a, b = self.fit
-        return b * num_rows / (a + b * num_rows)
+        n = len(points)
+        mean_rows = sum(points) / n
+        mean_seconds = sum(points.values()) / n
+        spread = sum((rows - mean_rows) ** 2 for rows in points)
+        b = sum((rows - mean_rows) * (t - mean_seconds) for rows, t in points.items()) / spread
+        b = max(b, 1e-3 * mean_seconds)
+        return max(mean_seconds - b * mean_rows, 0.0), b

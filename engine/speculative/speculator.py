@@ -1,11 +1,13 @@
-"""Drafts for the running requests each step, and when to stop drafting.
+"""Drafts for the running requests each step, and how many of them pay.
 
 Per request, acceptance is modelled as geometric: each draft position is accepted with
-probability q (estimated from its recent verifications, older ones weighing less). A k-th
-draft is worth its row when q^k, the chance it is reached and accepted, exceeds what a row
-costs (engine.speculative.cost): so k shrinks as q falls or the batch grows, and a request
-whose q no longer pays a first draft stops drafting, trying one draft again after a pause
-that doubles each time it still does not pay."""
+probability q (estimated from its recent verifications, older ones weighing less), so its
+j-th draft yields q^j tokens on average. Each step the drafts on offer are taken best first
+as long as the step's expected tokens per second grow: N decode rows and the taken drafts'
+yields, over the time a step of that many rows takes (engine.speculative.cost). So k
+shrinks as q falls, as the batch grows, and where one more row costs a jump in step time.
+A request none of whose drafts pay stops drafting, and tries one draft again after a
+pause that doubles each time it still does not pay."""
 
 from __future__ import annotations
 
@@ -46,18 +48,17 @@ class Acceptance:
         self.accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
         self.decided = self.decided * ACCEPTANCE_DECAY + num_accepted + rejected
 
-    def drafts_worth(self, row_cost: float, max_drafts: int, step: int) -> int:
-        k, reach = 0, self.rate
-        while k < max_drafts and reach > row_cost:
-            k, reach = k + 1, reach * self.rate
-        if k:
-            self.pause = FIRST_PAUSE
-            return k
+    def yields(self, num_drafts: int) -> list[float]:
+        """Expected accepted tokens of each of the first `num_drafts` draft positions."""
+        return [self.rate ** position for position in range(1, num_drafts + 1)]
+
+    def probe_due(self, step: int) -> bool:
+        """No draft paid this step: may one be tried anyway (then the pause doubles)?"""
         if step < self.paused_until:
-            return 0
-        self.paused_until = step + self.pause  # try one, then wait longer before the next
+            return False
+        self.paused_until = step + self.pause
         self.pause = min(2 * self.pause, LONGEST_PAUSE)
-        return min(1, max_drafts)
+        return True
 
 
 @dataclass(slots=True)
@@ -95,23 +96,51 @@ class Speculator:
     def propose(self, running: list[Request], step: int) -> None:
         """Sets each running request's `draft_token_ids` for this step (none while it
         prefills, and none where drafting does not pay)."""
-        decoding = [r for r in running if r.num_output_tokens and r.num_uncomputed_tokens == 1]
         for request in running:
             request.draft_token_ids = []
+        decoding = [r for r in running if r.num_output_tokens and r.num_uncomputed_tokens == 1]
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
-        row_cost = self.cost.row_cost(len(decoding))
+        offers = {}
         for request in decoding:
-            acceptance = self.acceptance.setdefault(request.request_id, Acceptance())
             room = min(request.sampling.max_tokens - request.num_output_tokens,
                        self.max_model_len - request.num_tokens) - 1
-            wanted = min(room, self.config.max_drafts)
-            if wanted > 0:
-                wanted = acceptance.drafts_worth(row_cost, wanted, step)
-            if wanted > 0:
-                request.draft_token_ids = self._checked(request,
-                                                        self.source.propose(request, wanted))
+            drafts = self.source.propose(request, min(room, self.config.max_drafts)) \
+                if room > 0 else []
+            drafts = self._checked(request, drafts)
+            if drafts:
+                offers[request.request_id] = (request, drafts)
+        taken = self._worth_taking(len(decoding), offers, step)
+        for request_id, count in taken.items():
+            request, drafts = offers[request_id]
+            request.draft_token_ids = drafts[:count]
+
+    def _worth_taking(self, num_decoding: int,
+                      offers: dict[str, tuple[Request, list[int]]], step: int) -> dict[str, int]:
+        """How many of each request's offered drafts to verify: the best-yielding first, as
+        many as maximize the step's expected tokens per second."""
+        candidates = []
+        for request_id, (_, drafts) in offers.items():
+            acceptance = self.acceptance.setdefault(request_id, Acceptance())
+            candidates += [(value, request_id) for value in acceptance.yields(len(drafts))]
+        candidates.sort(key=lambda candidate: -candidate[0])
+        best_count, best_rate, tokens = 0, num_decoding / self.cost.seconds(num_decoding), 0.0
+        for count, (value, _) in enumerate(candidates, start=1):
+            tokens += value
+            rate = (num_decoding + tokens) / self.cost.seconds(num_decoding + count)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
+        taken: dict[str, int] = dict.fromkeys(offers, 0)
+        for _, request_id in candidates[:best_count]:
+            taken[request_id] += 1
+        for request_id, count in taken.items():
+            acceptance = self.acceptance[request_id]
+            if count:
+                acceptance.pause = FIRST_PAUSE
+            elif acceptance.probe_due(step):
+                taken[request_id] = 1
+        return taken
 
     @staticmethod
     def _checked(request: Request, drafts: list[int]) -> list[int]:

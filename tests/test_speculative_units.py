@@ -1,0 +1,272 @@
+"""Speculative decoding, pure-Python tier: the config, the n-gram and suffix draft sources,
+acceptance, the step-cost table, how many drafts pay, and the scheduler's draft slots."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import pytest
+
+from common.config import EngineConfig, add_engine_args
+from common.speculative import SpeculativeConfig
+from engine.request import Request, RequestStatus
+from engine.speculative.cost import StepCost
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.speculator import Acceptance, Speculator
+from engine.speculative.suffix import SuffixProposer
+from engine.speculative.verify import DraftedRow, accepted_tokens, drafted_rows, split_samples
+from tests.scheduler_helpers import make_request, make_scheduler
+
+
+def decoding(request_id: str, tokens: list[int], num_prompt: int, max_tokens: int = 100,
+             **sampling) -> Request:
+    request = make_request(request_id, prompt=tokens[:num_prompt], max_tokens=max_tokens,
+                           **sampling)
+    for token in tokens[num_prompt:]:
+        request.append_token(token)
+    request.num_computed_tokens = request.num_tokens - 1
+    request.status = RequestStatus.RUNNING
+    return request
+
+
+# --- config ------------------------------------------------------------------------------
+def test_the_config_reads_vllms_json_and_fills_defaults():
+    ngram = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                    '"prompt_lookup_max": 4}')
+    assert (ngram.max_drafts, ngram.lookup_min, ngram.lookup_max) == (3, 4, 4)  # vLLM's rule
+    plain = SpeculativeConfig.parse('{"method": "ngram"}')
+    assert (plain.max_drafts, plain.lookup_min, plain.lookup_max) == (5, 2, 5)
+    suffix = SpeculativeConfig.parse('{"method": "suffix"}')
+    assert suffix.max_drafts == suffix.suffix_decoding_max_tree_depth == 24
+    config = EngineConfig(model="m", speculative_config='{"method": "suffix"}')
+    assert config.speculative == suffix
+    assert EngineConfig.from_json(config.to_json()).speculative == suffix
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{", "not JSON"),
+    ("[1]", "JSON object"),
+    ('{"num_speculative_tokens": 2}', 'needs "method"'),
+    ('{"method": "eagle"}', "must be one of"),
+    ('{"method": "ngram", "lookahead": 2}', "unknown --speculative-config keys"),
+    ('{"method": "draft_model"}', '"model"'),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": -1}', "positive"),
+    ('{"method": "ngram", "num_speculative_tokens": "3"}', "--speculative-config"),
+])
+def test_a_bad_config_names_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(text)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", speculative_config=text)
+
+
+def test_the_flag_refuses_a_bad_config_at_the_command_line(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
+    assert args.speculative_config == '{"method": "ngram"}'
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "magic"}'])
+    assert "must be one of" in capsys.readouterr().err
+
+
+# --- draft sources -----------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(2, 4)
+    # "5 6 7" occurred twice: its latest occurrence was followed by 9 10.
+    tokens = [1, 5, 6, 7, 8, 2, 5, 6, 7, 9, 10, 3, 4, 5, 6, 7]
+    request = decoding("r", tokens, 4)
+    assert proposer.propose(request, 2) == [9, 10]
+    assert proposer.propose(request, 9) == [9, 10, 3, 4, 5, 6, 7]  # up to the end
+    request.append_token(9)  # "6 7 9" is longer than any 2-gram match: it wins
+    assert proposer.propose(request, 3) == [10, 3, 4]
+    request.append_token(42)  # "9 42" never occurred, nor "42" (below the minimum of 2)
+    assert proposer.propose(request, 3) == []
+    proposer.finished(request)
+    assert proposer.indexes == {}
+
+
+def test_suffix_drafts_follow_frequent_continuations_and_learn_from_finished_requests():
+    proposer = SuffixProposer(max_depth=8, max_spec_factor=4.0, min_token_prob=0.3,
+                              max_cached_requests=1)
+    first = decoding("a", [1, 2, 3, 4, 5, 6, 7, 8, 20, 21], 8)
+    assert proposer.propose(first, 4) == []  # "21" never occurred before
+    first.finish("stop")
+    proposer.finished(first)
+    second = decoding("b", [9, 9, 20], 3)  # "20" was followed by 21 in a's output
+    assert proposer.propose(second, 4) == [21]
+    # Its own repeats: "3 4" is followed by 5 twice and by 6 once: 5 is drafted, then the
+    # walk goes on from "4 5" while the running product of frequencies stays >= 0.3.
+    third = decoding("c", [3, 4, 5, 7, 3, 4, 5, 7, 3, 4, 6, 8, 3, 4], 14)
+    assert proposer.propose(third, 4) == [5, 7, 3, 4]
+    # A second finished request pushes the first's output out (one is kept).
+    second.append_token(30)
+    second.append_token(31)
+    second.finish("stop")
+    proposer.finished(second)
+    assert proposer.propose(decoding("d", [20], 1), 4) == []
+    assert proposer.propose(decoding("e", [30], 1), 4) == [31]
+
+
+def test_suffix_drafts_stop_where_the_context_is_too_uncertain():
+    proposer = SuffixProposer(max_depth=4, max_spec_factor=8.0, min_token_prob=0.5,
+                              max_cached_requests=0)
+    # After 1: 2, 3 and 4 once each: no token reaches half of the continuations.
+    request = decoding("r", [1, 2, 1, 3, 1, 4, 1], 7)
+    assert proposer.propose(request, 4) == []
+
+
+# --- verification ------------------------------------------------------------------------
+def test_accepted_tokens_are_the_matching_drafts_then_the_rows_own_sample():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accepted_tokens([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accepted_tokens([], [3]) == [3]
+    tokens, logprobs = split_samples([5, 9, 7, 8, 3], [None] * 5, [[5, 6, 7], []])
+    assert tokens == [[5, 9], [3]] and logprobs == [None, None]
+
+
+def test_each_drafted_row_sees_the_drafts_before_it_as_output():
+    request = decoding("r", [1, 2, 3, 4], 3, frequency_penalty=0.5, min_tokens=3)
+    rows = drafted_rows([request, decoding("s", [7, 8], 1)], [[5, 5], []])
+    assert [type(row).__name__ for row in rows] == ["DraftedRow"] * 3 + ["Request"]
+    assert [row.num_output_tokens for row in rows[:3]] == [1, 2, 3]
+    assert [row.output_token_counts for row in rows[:3]] == [{4: 1}, {4: 1, 5: 1},
+                                                              {4: 1, 5: 2}]
+    assert request.output_token_counts == {4: 1}  # the request itself is untouched
+    assert isinstance(rows[0], DraftedRow) and rows[0].request_id == "r"
+
+
+# --- how many drafts pay -----------------------------------------------------------------
+def test_acceptance_falls_with_rejections_and_rises_with_acceptances():
+    acceptance = Acceptance()
+    start = acceptance.rate
+    for _ in range(5):
+        acceptance.record(num_drafts=4, num_accepted=0)
+    assert acceptance.rate < 0.1 < start
+    for _ in range(10):
+        acceptance.record(num_drafts=4, num_accepted=4)
+    assert acceptance.rate > 0.9
+    assert acceptance.yields(3) == pytest.approx([acceptance.rate ** j for j in (1, 2, 3)])
+
+
+def test_the_cost_table_uses_what_it_saw_and_guesses_upward_elsewhere():
+    cost = StepCost()
+    for rows, seconds in [(1, 0.020), (2, 0.022), (4, 0.025), (5, 0.041)]:
+        cost.observe(rows, seconds)
+    assert cost.seconds(5) == pytest.approx(0.041)
+    assert cost.seconds(3) == pytest.approx(0.022, rel=0.3)  # from the fitted line
+    assert cost.seconds(6) >= 0.041  # never below a smaller count's time
+    cost.observe(5, 0.031)
+    assert 0.031 < cost.seconds(5) < 0.041  # smoothed toward the newest
+
+
+class FixedDrafts:
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        return self.drafts[:max_drafts]
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+def speculator_with(drafts: list[int], max_drafts: int = 6) -> Speculator:
+    config = SpeculativeConfig("ngram", num_speculative_tokens=max_drafts)
+    return Speculator(config, max_model_len=1000, source=FixedDrafts(drafts))
+
+
+def test_drafts_stop_at_the_jump_in_step_time():
+    """Four rows cost little more than one, a fifth doubles the step: three drafts pay."""
+    speculator = speculator_with([5] * 6)
+    for rows, seconds in [(1, 0.020), (2, 0.021), (3, 0.022), (4, 0.023), (5, 0.045),
+                          (6, 0.046), (7, 0.047)]:
+        speculator.observe_step(rows, seconds)
+    request = decoding("r", [1, 2, 3, 4], 3)
+    speculator.acceptance["r"] = Acceptance(accepted=9.0, decided=10.0)  # q = 0.9
+    speculator.propose([request], step=1)
+    assert request.draft_token_ids == [5, 5, 5]
+
+
+def test_drafts_that_rarely_pay_stop_and_are_tried_again_after_a_growing_pause():
+    speculator = speculator_with([5] * 4)
+    for rows in range(1, 12):
+        speculator.observe_step(rows, 0.02 * rows)  # each row costs a whole step
+    request = decoding("r", [1, 2, 3, 4], 3)
+    drafted_at = []
+    for step in range(1, 60):
+        speculator.propose([request], step)
+        if request.draft_token_ids:
+            drafted_at.append(step)
+            assert request.draft_token_ids == [5]  # a probe: one draft
+            speculator.record(request, request.draft_token_ids, [6])  # rejected
+    gaps = [b - a for a, b in itertools.pairwise(drafted_at)]
+    assert len(drafted_at) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+
+
+def test_no_drafts_past_max_tokens_the_model_length_or_the_batch_size_limit():
+    speculator = speculator_with([5] * 6)
+    near_the_end = decoding("r", [1, 2, 3, 4, 4], 3, max_tokens=4)  # 2 of 4 out: room for 1
+    prefilling = make_request("p", prompt_len=8)
+    speculator.propose([near_the_end, prefilling], step=1)
+    assert near_the_end.draft_token_ids == [5] and prefilling.draft_token_ids == []
+    limited = Speculator(SpeculativeConfig("ngram", disable_by_batch_size=1), 1000,
+                         FixedDrafts([5]))
+    others = decoding("s", [1, 2, 3, 4], 3)
+    limited.propose([others, decoding("t", [1, 2, 3, 4], 3)], step=1)
+    assert others.draft_token_ids == []
+
+
+def test_the_counters_count_drafts_accepted_tokens_and_positions():
+    speculator = speculator_with([5, 6, 7])
+    request = decoding("r", [1, 2, 3, 4], 3)
+    speculator.record(request, [5, 6, 7], [5, 6, 9])
+    speculator.record(request, [5, 6], [1])
+    speculator.record(request, [], [1])  # no drafts: not a verification
+    totals = speculator.totals
+    assert (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens) == (2, 5, 2)
+    assert totals.accepted_by_position[:3] == [1, 1, 0]
+
+
+# --- the scheduler's draft slots ---------------------------------------------------------
+def test_drafts_take_budget_and_blocks_but_leave_a_token_for_every_later_request():
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    requests = [make_request(f"r{i}", prompt_len=3, max_tokens=20) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    output = scheduler.schedule()
+    scheduler.update(output, {c.request.request_id: [9] for c in output.chunks})
+    for request in requests:
+        request.draft_token_ids = [1, 2, 3, 4, 5, 6]
+    output = scheduler.schedule()
+    # 8 tokens: r0 takes its decode and 5 drafts, r1 and r2 a decode each.
+    assert [c.num_tokens for c in output.chunks] == [6, 1, 1]
+    assert output.chunks[0].draft_token_ids == [1, 2, 3, 4, 5]
+    assert len(requests[0].block_tables[0]) == 3  # 4 tokens + 5 drafts: 9 slots
+    # Two drafts accepted, then the row's own token: the slots past them go back.
+    scheduler.update(output, {"r0": [1, 2, 7], "r1": [9], "r2": [9]})
+    assert requests[0].output_token_ids == [9, 1, 2, 7]
+    assert requests[0].num_computed_tokens == 6 and len(requests[0].block_tables[0]) == 2
+    assert scheduler.block_manager.check_integrity(scheduler.live_requests) == []
+
+
+def test_drafts_never_preempt_and_a_stop_among_them_ends_the_request_there():
+    scheduler = make_scheduler(num_blocks=2, block_size=4)
+    request = make_request("r", prompt_len=3, max_tokens=5)
+    scheduler.add(request)
+    output = scheduler.schedule()
+    scheduler.update(output, {"r": [9]})
+    request.draft_token_ids = [1] * 6  # 4 + 6 slots need 3 blocks of the 2 there are
+    output = scheduler.schedule()
+    assert output.chunks[0].draft_token_ids == [] and not output.trace.preempted
+    scheduler.update(output, {"r": [9]})
+    request.draft_token_ids = [1, 0, 5]  # 0 is the EOS
+    output = scheduler.schedule()
+    sampled = {"r": [1, 0, 5, 6]}
+    finished = scheduler.update(output, sampled)
+    assert finished == [request] and request.finish_reason == "stop"
+    assert sampled["r"] == [1, 0] and request.output_token_ids == [9, 9, 1, 0]
+    assert scheduler.block_manager.num_free_blocks == 2
