@@ -44,6 +44,7 @@ from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.grammar_waitlist import AwaitingGrammar, GrammarWaitlist
 from engine.sampling.sampler import Sampler
 from engine.scheduler import RequestRefused, ScheduledChunk, Scheduler, StepTrace
+from engine.speculative.draft_model import DraftModel
 from engine.speculative.speculator import Speculator
 from engine.speculative.verify import drafted_rows, split_samples
 from engine.weights.loader import load_model, weight_bytes
@@ -103,6 +104,8 @@ class EngineCore:
         if recorder == "auto":
             recorder = default_recorder(self.device, self.config, self.model.config.head_dim)
         self.recorder = recorder
+        self.draft_model = DraftModel.for_config(config, self.kv_layout, model_config.vocab_size,
+                                                 self.dtype, self.device)
         num_blocks = self._num_kv_blocks()
         if self.workers is not None:
             broadcast_int(num_blocks)  # every rank holds as many blocks, for its heads
@@ -113,8 +116,11 @@ class EngineCore:
         self.runner = self._make_runner(num_blocks, self.recorder)
         logger.info("%s", self.runner.kernels.describe())  # once: not for the graph probe
         self.sampler = Sampler(self.device, config.seed)
+        if self.draft_model is not None:
+            self.draft_model.start(num_blocks, config.block_size, self.max_model_len,
+                                   config.max_num_seqs)
         self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, self.max_model_len)
+            config.speculative, self.max_model_len, self.draft_model)
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.grammar_waitlist = GrammarWaitlist(self.grammars, config.grammar_compile_timeout)
         self.step_threads = torch.get_num_threads()
@@ -129,9 +135,13 @@ class EngineCore:
 
     @property
     def _bytes_per_block(self) -> int:
+        """Every layer's K and V of one block (a draft model's layers too)."""
         model_config = self.model.config
-        return kv_bytes_per_block(self.kv_layout.group_size, self.model.num_local_kv_heads,
-                                  model_config.head_dim, self.config.block_size, self.dtype)
+        draft = 0 if self.draft_model is None else self.draft_model.bytes_per_block(
+            self.config.block_size)
+        return draft + kv_bytes_per_block(self.kv_layout.group_size,
+                                          self.model.num_local_kv_heads, model_config.head_dim,
+                                          self.config.block_size, self.dtype)
 
     def _max_tokens_in_flight(self, num_blocks: int) -> int:
         """Tokens the cache holds when it holds long requests only: blocks shared among the
@@ -294,6 +304,8 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.step_count + 1)
         scheduled = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.fill(scheduled.chunks)
         requests: list[Request] = []
         drafts: list[list[int]] = []
         tokens: list[list[int]] = []
@@ -374,17 +386,8 @@ class EngineCore:
             prefix_cache_queries_total=self.block_manager.stats.queries,
             prefix_cache_hits_total=self.block_manager.stats.hits,
             kv_integrity_violations_total=self.block_manager.num_integrity_violations,
-            **self._spec_totals(),
+            **({} if self.speculator is None else self.speculator.totals.as_stats()),
         )
-
-    def _spec_totals(self) -> dict:
-        if self.speculator is None:
-            return {}
-        totals = self.speculator.totals
-        return {"spec_decode_num_drafts_total": totals.num_drafts,
-                "spec_decode_num_draft_tokens_total": totals.num_draft_tokens,
-                "spec_decode_num_accepted_tokens_total": totals.num_accepted_tokens,
-                "spec_decode_accepted_by_position_total": list(totals.accepted_by_position)}
 
     def check_integrity(self) -> list[str]:
         problems = self.block_manager.check_integrity(self.scheduler.live_requests)

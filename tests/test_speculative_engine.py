@@ -367,3 +367,51 @@ def test_batch_invariant_drafts_give_the_same_bits_as_decoding_in_bf16(tiny_mode
     core = spec_core(tiny_model_dir, plain, **settings)
     assert run_to_completion(core, batch) == plain
     assert core.speculator.totals.num_accepted_tokens > 10
+
+
+def draft_config(model_dir: str, k: int = 4) -> str:
+    return json.dumps({"method": "draft_model", "model": model_dir, "num_speculative_tokens": k})
+
+
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(
+        tiny_model_dir, tmp_path_factory):
+    """A draft with the target's own weights must propose exactly the target's tokens: any
+    draft K/V missing or stale (prompt chunks, accepted drafts, preemption, prefix hits)
+    would show as a rejection."""
+    twin = build_tiny_llama_dir(tmp_path_factory.mktemp("twin"))  # same seed: same weights
+    shared = prompt_of(32, 99)
+    prompts = [prompt_of(n, i) for i, n in enumerate([3, 17, 40, 9, 64, 25])]
+    prompts += [[*shared, 5], [*shared, 6]]
+    batch = [greedy_request(p, max_tokens=30, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    settings = {"num_kv_blocks": 12, "max_num_batched_tokens": 48}
+    plain = run_to_completion(make_core(tiny_model_dir, **settings), batch)
+    core = make_core(tiny_model_dir, speculative_config=draft_config(twin), **settings)
+    core.speculator.cost = FixedCost()
+    assert run_to_completion(core, batch) == plain
+    totals = core.speculator.totals
+    assert core.scheduler.num_preemptions >= 1 and core.block_manager.stats.hits > 0
+    assert totals.num_draft_tokens > 100
+    assert totals.num_accepted_tokens == totals.num_draft_tokens
+    assert core.totals.num_steps < len(batch) * 30 // 3
+
+
+def test_a_draft_model_of_another_architecture_keeps_output_and_shares_the_blocks(
+        tiny_model_dir, tmp_path_factory, reference_model):
+    draft = build_tiny_llama_dir(tmp_path_factory.mktemp("draft"), "qwen3", seed=5,
+                                 num_hidden_layers=1, head_dim=16)
+    batch = [greedy_request(prompt_of(n, i), max_tokens=24) for i, n in enumerate([5, 30, 12])]
+    plain_core = make_core(tiny_model_dir)
+    plain = run_to_completion(plain_core, batch)
+    core = make_core(tiny_model_dir, speculative_config=draft_config(draft))
+    assert run_to_completion(core, batch) == plain
+    assert core.speculator.totals.num_draft_tokens > 0
+    # Same memory, fewer blocks: each holds the draft's K/V too (one layer of the target's
+    # two, its 2 KV heads of 16 against the target's 2 of 16).
+    assert core.block_manager.num_blocks < plain_core.block_manager.num_blocks
+    assert_equals_transformers_generate(plain, batch, reference_model)
+
+
+def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_model_dir, tmp_path_factory):
+    draft = build_tiny_llama_dir(tmp_path_factory.mktemp("wide"), vocab_size=512)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_core(tiny_model_dir, speculative_config=draft_config(draft))

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from common.speculative import SpeculativeConfig
 from engine.request import Request
+from engine.scheduler import ScheduledChunk
 from engine.speculative.cost import StepCost
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.suffix import SuffixProposer
@@ -27,9 +28,14 @@ FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps without drafts before one is tried 
 
 
 class DraftSource(Protocol):
-    def propose(self, request: Request, max_drafts: int) -> list[int]: ...
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        """Up to max_drafts drafts (PLACEHOLDERs where `fill` writes them later)."""
+        ...
 
     def finished(self, request: Request) -> None: ...
+
+
+PLACEHOLDER = -1  # a draft slot reserved before a draft model fills it
 
 
 @dataclass(slots=True)
@@ -70,6 +76,13 @@ class SpecTotals:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
+
+    def as_stats(self) -> dict[str, int | list[int]]:
+        """As common.protocol.StepStats names them."""
+        return {"spec_decode_num_drafts_total": self.num_drafts,
+                "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+                "spec_decode_accepted_by_position_total": list(self.accepted_by_position)}
 
 
 def draft_source(config: SpeculativeConfig) -> DraftSource:
@@ -142,10 +155,23 @@ class Speculator:
                 taken[request_id] = 1
         return taken
 
+    def fill(self, chunks: list[ScheduledChunk]) -> None:
+        """After scheduling: a draft model runs over the step's chunks and writes the drafts
+        in place (a grammar then cuts them where it forbids one)."""
+        fill = getattr(self.source, "fill", None)
+        if fill is None:
+            return
+        fill(chunks)
+        for chunk in chunks:
+            drafts = chunk.draft_token_ids
+            allowed = len(self._checked(chunk.request, drafts))
+            chunk.num_tokens -= len(drafts) - allowed
+            del drafts[allowed:]
+
     @staticmethod
     def _checked(request: Request, drafts: list[int]) -> list[int]:
         """The drafts a constrained request's grammar allows, up to the first it forbids."""
-        if request.constraint is None or not drafts:
+        if request.constraint is None or not drafts or drafts[0] == PLACEHOLDER:
             return drafts
         allowed = min(m.validate_tokens(drafts) for m in request.constraint.matchers)
         return drafts[:allowed]
