@@ -127,3 +127,17 @@ async def test_bad_frames_from_the_engine_are_counted(harness: FrontendHarness) 
     harness.reply_with("Hi")
     assert (await harness.client.post("/v1/completions", json={"prompt": "Hi"})).status == 200
     assert (await scrape(harness))["loom:frontend_bad_frames_total"] == 1
+
+
+def test_speculative_counters_follow_each_engines_totals_by_position() -> None:
+    metrics = LoomMetrics()
+    for engine, accepted in ((0, [4, 2]), (1, [1, 0]), (0, [6, 3])):
+        metrics.observe_step(StepStats(
+            spec_decode_num_drafts_total=sum(accepted), spec_decode_num_draft_tokens_total=10,
+            spec_decode_num_accepted_tokens_total=sum(accepted),
+            spec_decode_accepted_by_position_total=accepted, step_time_s=0.01), engine)
+    values = samples(metrics)
+    assert values["loom:spec_decode_num_draft_tokens_total"] == 20  # 10 from each engine
+    assert values["loom:spec_decode_num_accepted_tokens_total"] == 9 + 1
+    assert values['loom:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 6 + 1
+    assert values['loom:spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == 3

@@ -39,6 +39,10 @@ MESSAGES = [
                     RequestOutput("b", [5], "stop", 16, [[-0.1, [[5, -0.1], [6, -2.0]]]], 0.125)],
                 StepStats(2, 1, 0.25, 3, 100, 2, 0.05, 10, 4, 1, 2)),
     StepOutputs(8, [], StepStats()),
+    StepOutputs(9, [RequestOutput("c", [4, 5, 6], None, 0, None)],
+                StepStats(spec_decode_num_drafts_total=3, spec_decode_num_draft_tokens_total=9,
+                          spec_decode_num_accepted_tokens_total=5,
+                          spec_decode_accepted_by_position_total=[3, 2, 0])),
     RequestError("req-3", "prompt too long"),
 ]
 
@@ -82,6 +86,10 @@ MALFORMED = {
     "stats wrong size": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [], [1, 2]),
     "stats wrong type": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [],
                               ["x"] * len(StepStats.__slots__)),
+    "accepted by position not a list": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [],
+                                             [0] * len(StepStats.__slots__)),
+    "accepted by position not ints": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [],
+                                           [0] * (len(StepStats.__slots__) - 1) + [["1"]]),
 }
 
 

@@ -270,3 +270,15 @@ def test_drafts_never_preempt_and_a_stop_among_them_ends_the_request_there():
     assert finished == [request] and request.finish_reason == "stop"
     assert sampled["r"] == [1, 0] and request.output_token_ids == [9, 9, 1, 0]
     assert scheduler.block_manager.num_free_blocks == 2
+
+
+def test_a_step_with_nobody_decoding_drafts_nothing_whatever_the_cost_table():
+    """A fitted line that reaches zero at zero rows must not divide anything by it."""
+    speculator = speculator_with([5])
+    speculator.observe_step(4, 0.094)
+    speculator.observe_step(3, 0.056)
+    fresh = make_request("fresh", prompt_len=8)
+    speculator.propose([], step=1)
+    speculator.propose([fresh], step=2)
+    assert fresh.draft_token_ids == []
+    assert all(speculator.cost.seconds(rows) > 0 for rows in range(0, 9))

@@ -46,4 +46,4 @@ class StepCost:
         spread = sum((rows - mean_rows) ** 2 for rows in points)
         b = sum((rows - mean_rows) * (t - mean_seconds) for rows, t in points.items()) / spread
         b = max(b, 1e-3 * mean_seconds)
-        return max(mean_seconds - b * mean_rows, 0.0), b
+        return max(mean_seconds - b * mean_rows, 0.05 * min(points.values())), b

@@ -133,6 +133,8 @@ class Speculator:
                       offers: dict[str, tuple[Request, list[int]]], step: int) -> dict[str, int]:
         """How many of each request's offered drafts to verify: the best-yielding first, as
         many as maximize the step's expected tokens per second."""
+        if not offers:
+            return {}
         candidates = []
         for request_id, (_, drafts) in offers.items():
             acceptance = self.acceptance.setdefault(request_id, Acceptance())

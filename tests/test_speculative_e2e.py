@@ -1,0 +1,123 @@
+"""End to end: `launch.py --speculative-config` (n-gram drafts) on the default model (fp32),
+real HTTP on 127.0.0.1. A reply that quotes its prompt is drafted and accepted, and the
+user sees what an engine without drafts would send: transformers' greedy text, stop
+strings cut where they match, logprobs per token, seeded choices that repeat, JSON that
+matches its schema; /metrics counts the drafts."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.default_model import resolve_model
+from tests.launched_server import LaunchedServer
+
+MODEL = "SmolLM2-135M-Instruct"
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He "
+           "trimmed the wick, polished the great lens, and wrote the weather in his log. "
+           "Ships passing the rocks saw the beam sweep the water twice each minute.")
+QUOTE = [{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}]
+MAX_TOKENS = 60
+SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    launched = LaunchedServer(["--dtype", "float32", "--speculative-config", SPECULATIVE]
+                              ).start(tmp_path_factory.mktemp("logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def reference_text(messages: list[dict], max_tokens: int) -> str:
+    directory = resolve_model(None)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    with torch.no_grad():
+        output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+            1, len(prompt)), max_new_tokens=max_tokens, do_sample=False)
+    return tokenizer.decode(output[0, len(prompt):], skip_special_tokens=True)
+
+
+def spec_counters(server: LaunchedServer) -> dict[str, float]:
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counters: dict[str, float] = {}
+    for name, value in re.findall(r"^loom:(spec_decode_\w+?)_total(?:\{[^}]*\})? (\S+)$",
+                                  text, re.M):
+        counters[name] = counters.get(name, 0.0) + float(value)
+    return counters
+
+
+def test_a_quoting_reply_streams_transformers_greedy_text_and_counts_its_drafts(
+        server, client):
+    expected = reference_text(QUOTE, MAX_TOKENS)
+    stream = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0,
+                                            max_tokens=MAX_TOKENS, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS or "lighthouse" in text
+    counters = spec_counters(server)
+    assert counters["spec_decode_num_drafts"] > 0
+    assert counters["spec_decode_num_accepted_tokens"] >= 0.3 * MAX_TOKENS
+    assert counters["spec_decode_num_accepted_tokens_per_pos"] == \
+        counters["spec_decode_num_accepted_tokens"]
+    assert counters["spec_decode_num_draft_tokens"] >= counters["spec_decode_num_accepted_tokens"]
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_text_there(client):
+    full = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0,
+                                          max_tokens=MAX_TOKENS).choices[0].message.content
+    stop = "polished"
+    assert stop in full
+    response = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0,
+                                              max_tokens=MAX_TOKENS, stop=[stop])
+    assert response.choices[0].message.content == full[:full.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens < MAX_TOKENS
+
+
+def test_logprobs_come_one_per_token_and_seeded_choices_repeat(client):
+    response = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0,
+                                              max_tokens=30, logprobs=True, top_logprobs=2)
+    entries = response.choices[0].logprobs.content
+    assert "".join(entry.token for entry in entries) == response.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in entries)
+
+    def sampled():
+        reply = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0.8,
+                                               seed=5, n=2, max_tokens=30)
+        return [choice.message.content for choice in reply.choices]
+
+    first = sampled()
+    assert first == sampled() and first[0] != first[1]
+
+
+def test_structured_output_matches_its_schema_with_drafts(client):
+    schema = {"type": "object", "properties": {"keeper": {"type": "string"},
+                                               "stairs": {"enum": ["spiral", "straight"]}},
+              "required": ["keeper", "stairs"], "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=80,
+        messages=[{"role": "user", "content": f"{PASSAGE}\n\nAnswer in JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema}})
+    answer = json.loads(response.choices[0].message.content)
+    assert set(answer) == {"keeper", "stairs"} and answer["stairs"] in ("spiral", "straight")
