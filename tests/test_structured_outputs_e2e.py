@@ -13,7 +13,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from bench.structured import slow_grammar
 from tests.launched_server import LaunchedServer
@@ -25,6 +25,8 @@ pytestmark = pytest.mark.e2e
 
 
 class Item(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # strict mode: no object takes other keys
+
     name: str = Field(max_length=20)
     quantity: int = Field(ge=1, le=9)
 
