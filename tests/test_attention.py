@@ -467,3 +467,31 @@ def test_the_amx_prefill_kernel_gives_a_row_the_same_bits_however_its_prompt_is_
         torch.cat([inputs.q[39:], other.q]), torch.cat([inputs.k[39:], other.k]),
         torch.cat([inputs.v[39:], other.v]), *caches, split_metadata, scale, window, softcap)
     assert torch.equal(got_split[:111], got_whole[39:])
+
+
+@pytest.mark.parametrize(("dtype", "tiled"), [
+    (torch.float32, False), (torch.bfloat16, False),
+    pytest.param(torch.bfloat16, True, marks=needs_amx)], ids=["fp32", "bf16", "bf16-amx"])
+def test_drafted_decodes_are_rows_of_the_decode_kernel_and_match_the_reference(
+        tiled: bool, dtype: torch.dtype) -> None:
+    """A verified request's rows (its last token and its drafts) are decodes at their own
+    positions, beside plain decodes and a prompt chunk, whatever the chunk path is."""
+    case = Case("drafted", ((1, 40), (4, 33), (6, 70), (30, 90), (2, 17)))
+    backend = CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=tiled)
+    inputs = make_inputs(case, dtype, seed=3)
+    drafted = frozenset({1, 2, 4})
+    metadata = backend.build_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
+                                      inputs.slot_mapping, "cpu", row_requests=drafted)
+    plan = metadata.plan
+    assert plan is not None and plan.kernel_rows is not None
+    # The decode and every drafted row; the 30-token prompt chunk goes to the tiled kernel
+    # where it serves, else its rows too.
+    assert len(plan.kernel_rows.rows) == 1 + 4 + 6 + 2 + (0 if tiled else 30)
+    assert drafted <= plan.kernel_prefills
+    assert (plan.tiled_prefills is not None and plan.tiled_prefills.size == 1) == tiled
+    scale = case.head_dim**-0.5
+    want, _, _ = expected(inputs, metadata, scale)
+    got = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+                          inputs.v_cache.clone(), metadata, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)

@@ -31,11 +31,11 @@ class AttentionBackend(ABC):
     def build_metadata(
         self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
         slot_mapping: list[int], device: torch.device | str,
-        workspace: Workspace | None = None,
+        workspace: Workspace | None = None, row_requests: frozenset[int] = frozenset(),
     ) -> AttentionMetadata:
         """The step's metadata, planned for this backend before the forward."""
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping,
-                                           self.block_size, device, workspace)
+                                           self.block_size, device, workspace, row_requests)
         self.plan(metadata)
         return metadata
 

@@ -47,6 +47,7 @@ class StepInputs:
     sample_rows: list[int] = field(default_factory=list)  # the rows whose logits are sampled
     sampling_chunks: list[ScheduledChunk] = field(default_factory=list)
     has_prompt_rows: bool = False  # a chunk computes more than one token of its request's own
+    drafted: list[int] = field(default_factory=list)  # requests (in step order) with drafts
 
     @classmethod
     def gather(cls, chunks: list[ScheduledChunk], block_size: int,
@@ -71,6 +72,8 @@ class StepInputs:
             inputs.query_lens.append(chunk.num_tokens)
             inputs.seq_lens.append(end)
             inputs.has_prompt_rows |= chunk.num_known_tokens > 1
+            if chunk.draft_token_ids:
+                inputs.drafted.append(len(inputs.query_lens) - 1)
             if chunk.completes_sequence:
                 rows = len(inputs.token_ids)
                 inputs.sample_rows.extend(range(rows - 1 - len(chunk.draft_token_ids), rows))
@@ -88,27 +91,27 @@ class StepInputs:
                   for block in (*table, *[0] * (width - len(table)))]
         slots = [slot for group in self.slot_mappings for slot in group]
         header = [len(self.token_ids), len(self.query_lens), width, len(self.sample_rows),
-                  len(self.block_tables), int(self.has_prompt_rows)]
+                  len(self.block_tables), int(self.has_prompt_rows), len(self.drafted)]
         return torch.tensor([*header, *self.token_ids, *self.positions, *slots,
-                             *self.query_lens, *self.seq_lens, *tables, *self.sample_rows],
-                            dtype=torch.int64)
+                             *self.query_lens, *self.seq_lens, *tables, *self.sample_rows,
+                             *self.drafted], dtype=torch.int64)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepInputs:
         """`pack`'s inverse (the sampling chunks stay with rank 0). A block table comes back
         padded with block 0, which attention never reads past the sequence's length."""
         values = packed.tolist()
-        tokens, requests, width, samples, groups, has_prompt_rows = values[:6]
-        cuts = itertools.accumulate([6, tokens, tokens, groups * tokens, requests, requests,
-                                     groups * requests * width, samples])
+        tokens, requests, width, samples, groups, has_prompt_rows, drafted = values[:7]
+        cuts = itertools.accumulate([7, tokens, tokens, groups * tokens, requests, requests,
+                                     groups * requests * width, samples, drafted])
         parts = [values[start:end] for start, end in itertools.pairwise(cuts)]
-        token_ids, positions, slots, query_lens, seq_lens, tables, sample_rows = parts
+        token_ids, positions, slots, query_lens, seq_lens, tables, sample_rows, drafted_ids = parts
         rows = [tables[i * width:(i + 1) * width] for i in range(groups * requests)]
         return cls(token_ids, positions,
                    [slots[g * tokens:(g + 1) * tokens] for g in range(groups)],
                    query_lens, seq_lens,
                    [rows[g * requests:(g + 1) * requests] for g in range(groups)], sample_rows,
-                   has_prompt_rows=bool(has_prompt_rows))
+                   has_prompt_rows=bool(has_prompt_rows), drafted=drafted_ids)
 
 
 class ModelRunner:
@@ -192,8 +195,9 @@ class ModelRunner:
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mappings,
                                 inputs.seq_lens, inputs.block_tables)
             return self._logits(inputs, hidden, float32_logits)
+        drafted = frozenset(inputs.drafted)
         metadata = [self.attention.build_metadata(inputs.query_lens, inputs.seq_lens, tables,
-                                                  slots, self.device)
+                                                  slots, self.device, row_requests=drafted)
                     for tables, slots in zip(inputs.block_tables, inputs.slot_mappings,
                                              strict=True)]
         # Prompt rows come out the same however much of their prompt was cached: a step that

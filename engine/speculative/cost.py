@@ -16,11 +16,13 @@ PRIOR_ROW_SHARE = 0.02  # a row's share of a one-row step, before two row counts
 @dataclass(slots=True)
 class StepCost:
     seconds_by_rows: dict[int, float] = field(default_factory=dict)
+    _line_fit: tuple[float, float] | None = None  # until the next observation
 
     def observe(self, num_rows: int, seconds: float) -> None:
         seen = self.seconds_by_rows.get(num_rows)
         self.seconds_by_rows[num_rows] = seconds if seen is None else (
             seen + SMOOTHING * (seconds - seen))
+        self._line_fit = None
 
     def seconds(self, num_rows: int) -> float:
         """The step time expected at `num_rows` (1.0 per step before anything is seen)."""
@@ -29,7 +31,9 @@ class StepCost:
             return seen
         floor = max((t for rows, t in self.seconds_by_rows.items() if rows < num_rows),
                     default=0.0)
-        a, b = self._line()
+        if self._line_fit is None:
+            self._line_fit = self._line()
+        a, b = self._line_fit
         return max(a + b * num_rows, floor)
 
     def _line(self) -> tuple[float, float]:

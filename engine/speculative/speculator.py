@@ -11,6 +11,7 @@ pause that doubles each time it still does not pay."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -131,21 +132,25 @@ class Speculator:
 
     def _worth_taking(self, num_decoding: int,
                       offers: dict[str, tuple[Request, list[int]]], step: int) -> dict[str, int]:
-        """How many of each request's offered drafts to verify: the best-yielding first, as
-        many as maximize the step's expected tokens per second."""
+        """How many of each request's offered drafts to verify: the best first, as many as
+        maximize the sum over the decoding requests of log(expected tokens per second)."""
         if not offers:
             return {}
         candidates = []
         for request_id, (_, drafts) in offers.items():
             acceptance = self.acceptance.setdefault(request_id, Acceptance())
-            candidates += [(value, request_id) for value in acceptance.yields(len(drafts))]
+            expected = 1.0
+            for value in acceptance.yields(len(drafts)):
+                candidates.append((math.log1p(value / expected), request_id))
+                expected += value
         candidates.sort(key=lambda candidate: -candidate[0])
-        best_count, best_rate, tokens = 0, num_decoding / self.cost.seconds(num_decoding), 0.0
+        base = num_decoding * math.log(self.cost.seconds(num_decoding))
+        best_count, best_gain, gain = 0, 0.0, 0.0
         for count, (value, _) in enumerate(candidates, start=1):
-            tokens += value
-            rate = (num_decoding + tokens) / self.cost.seconds(num_decoding + count)
-            if rate > best_rate:
-                best_count, best_rate = count, rate
+            gain += value
+            net = gain - num_decoding * math.log(self.cost.seconds(num_decoding + count)) + base
+            if net > best_gain:
+                best_count, best_gain = count, net
         taken: dict[str, int] = dict.fromkeys(offers, 0)
         for _, request_id in candidates[:best_count]:
             taken[request_id] += 1
