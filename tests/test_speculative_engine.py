@@ -52,18 +52,23 @@ def prompt_of(length: int, salt: int = 0) -> list[int]:
 
 class OracleDrafts:
     """Drafts the request's known continuation, with every `spoil_every`-th draft call's
-    second token replaced: accepted runs, rejections at every position, and tail drafts."""
+    second token (its only one, if one) replaced: accepted runs, rejections at every
+    position, and tail drafts."""
 
-    def __init__(self, continuations: dict[str, list[int]], spoil_every: int = 3) -> None:
+    def __init__(self, continuations: dict[str, list[int]], spoil_every: int = 3,
+                 spoil_with: int | None = None) -> None:
         self.continuations = continuations
         self.spoil_every = spoil_every
+        self.spoil_with = spoil_with
         self.calls = itertools.count()
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         known = self.continuations.get(request.request_id, [])
         drafts = list(known[request.num_output_tokens:request.num_output_tokens + max_drafts])
-        if len(drafts) > 1 and next(self.calls) % self.spoil_every == 0:
-            drafts[1] = (drafts[1] + 1) % 256
+        spoiled = min(1, len(drafts) - 1)
+        if drafts and next(self.calls) % self.spoil_every == 0:
+            drafts[spoiled] = self.spoil_with if self.spoil_with is not None \
+                else (drafts[spoiled] + 1) % 256
         return drafts
 
     def finished(self, request: Request) -> None:
@@ -334,8 +339,11 @@ def test_grammars_check_drafts_and_constrained_output_is_unchanged(tmp_path_fact
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = [greedy_request(prompt_of(9 + 13 * i, i), max_tokens=60, request_id=kind,
                             grammars=GRAMMARS[kind]) for i, kind in enumerate(GRAMMARS)]
-    plain = run_to_completion(make_core(model_dir), batch)
-    core = spec_core(model_dir, plain)  # every third draft's second token spoiled
+    plain_core = make_core(model_dir)
+    plain = run_to_completion(plain_core, batch)
+    core = spec_core(model_dir, plain)
+    # Every third draft call ends its first run with EOS, which no grammar allows mid-output.
+    core.speculator.source.spoil_with = min(plain_core.eos_token_ids)
     checked = []
     validate = core.speculator._checked
 

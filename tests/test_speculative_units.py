@@ -149,7 +149,11 @@ def test_acceptance_falls_with_rejections_and_rises_with_acceptances():
     for _ in range(10):
         acceptance.record(num_drafts=4, num_accepted=4)
     assert acceptance.rate > 0.9
-    assert acceptance.yields(3) == pytest.approx([acceptance.rate ** j for j in (1, 2, 3)])
+    cautious = acceptance.cautious_rate  # less one standard error of ~5 verifications' worth
+    assert acceptance.rate - 0.2 < cautious < acceptance.rate
+    assert acceptance.yields(3) == pytest.approx([cautious ** j for j in (1, 2, 3)])
+    fresh = Acceptance()  # the prior alone: 0.6 on 2 verifications' worth
+    assert fresh.cautious_rate == pytest.approx(0.6 - (0.6 * 0.4 / 2) ** 0.5)
 
 
 def test_the_cost_table_uses_what_it_saw_and_guesses_upward_elsewhere():

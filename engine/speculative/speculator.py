@@ -50,14 +50,23 @@ class Acceptance:
     def rate(self) -> float:
         return self.accepted / self.decided
 
+    @property
+    def cautious_rate(self) -> float:
+        """The rate less one standard error: a draft costs the whole step now, so a rate
+        seen a few times counts for less than one seen many times."""
+        rate = self.rate
+        return max(0.0, rate - math.sqrt(rate * (1 - rate) / self.decided))
+
     def record(self, num_drafts: int, num_accepted: int) -> None:
         rejected = 1 if num_accepted < num_drafts else 0  # positions after it were not tried
         self.accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
         self.decided = self.decided * ACCEPTANCE_DECAY + num_accepted + rejected
 
     def yields(self, num_drafts: int) -> list[float]:
-        """Expected accepted tokens of each of the first `num_drafts` draft positions."""
-        return [self.rate ** position for position in range(1, num_drafts + 1)]
+        """Accepted tokens each of the first `num_drafts` draft positions is counted on to
+        yield (at the cautious rate)."""
+        rate = self.cautious_rate
+        return [rate ** position for position in range(1, num_drafts + 1)]
 
     def probe_due(self, step: int) -> bool:
         """No draft paid this step: may one be tried anyway (then the pause doubles)?"""
@@ -109,38 +118,38 @@ class Speculator:
 
     def propose(self, running: list[Request], step: int) -> None:
         """Sets each running request's `draft_token_ids` for this step (none while it
-        prefills, and none where drafting does not pay)."""
+        prefills, and none where drafting does not pay). How many drafts pay is decided
+        first; only then are that many asked of the source (where it has them)."""
         for request in running:
             request.draft_token_ids = []
         decoding = [r for r in running if r.num_output_tokens and r.num_uncomputed_tokens == 1]
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
-        offers = {}
+        rooms = {}
         for request in decoding:
             room = min(request.sampling.max_tokens - request.num_output_tokens,
-                       self.max_model_len - request.num_tokens) - 1
-            drafts = self.source.propose(request, min(room, self.config.max_drafts)) \
-                if room > 0 else []
-            drafts = self._checked(request, drafts)
-            if drafts:
-                offers[request.request_id] = (request, drafts)
-        taken = self._worth_taking(len(decoding), offers, step)
+                       self.max_model_len - request.num_tokens, self.config.max_drafts + 1) - 1
+            if room > 0:
+                rooms[request.request_id] = (request, room)
+        taken = self._worth_taking(len(decoding), rooms, step)
         for request_id, count in taken.items():
-            request, drafts = offers[request_id]
-            request.draft_token_ids = drafts[:count]
+            request = rooms[request_id][0]
+            if count:
+                request.draft_token_ids = self._checked(
+                    request, self.source.propose(request, count))
 
-    def _worth_taking(self, num_decoding: int,
-                      offers: dict[str, tuple[Request, list[int]]], step: int) -> dict[str, int]:
-        """How many of each request's offered drafts to verify: the best first, as many as
-        maximize the sum over the decoding requests of log(expected tokens per second)."""
-        if not offers:
+    def _worth_taking(self, num_decoding: int, rooms: dict[str, tuple[Request, int]],
+                      step: int) -> dict[str, int]:
+        """How many drafts each request (up to its room) verifies: the best first, as many
+        as maximize the sum over the decoding requests of log(expected tokens per second)."""
+        if not rooms:
             return {}
         candidates = []
-        for request_id, (_, drafts) in offers.items():
+        for request_id, (_, room) in rooms.items():
             acceptance = self.acceptance.setdefault(request_id, Acceptance())
             expected = 1.0
-            for value in acceptance.yields(len(drafts)):
+            for value in acceptance.yields(room):
                 candidates.append((math.log1p(value / expected), request_id))
                 expected += value
         candidates.sort(key=lambda candidate: -candidate[0])
@@ -151,7 +160,7 @@ class Speculator:
             net = gain - num_decoding * math.log(self.cost.seconds(num_decoding + count)) + base
             if net > best_gain:
                 best_count, best_gain = count, net
-        taken: dict[str, int] = dict.fromkeys(offers, 0)
+        taken: dict[str, int] = dict.fromkeys(rooms, 0)
         for _, request_id in candidates[:best_count]:
             taken[request_id] += 1
         for request_id, count in taken.items():
