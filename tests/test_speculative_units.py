@@ -286,3 +286,10 @@ def test_a_step_with_nobody_decoding_drafts_nothing_whatever_the_cost_table():
     speculator.propose([fresh], step=2)
     assert fresh.draft_token_ids == []
     assert all(speculator.cost.seconds(rows) > 0 for rows in range(0, 9))
+
+
+def test_the_cost_of_a_range_of_row_counts_is_each_counts_cost():
+    cost = StepCost()
+    for rows, seconds in [(1, 0.020), (3, 0.018), (4, 0.025), (9, 0.060)]:
+        cost.observe(rows, seconds)
+    assert cost.seconds_from(0, 12) == [cost.seconds(rows) for rows in range(0, 13)]

@@ -36,6 +36,23 @@ class StepCost:
         a, b = self._line_fit
         return max(a + b * num_rows, floor)
 
+    def seconds_from(self, first_rows: int, count: int) -> list[float]:
+        """`seconds(r)` for r = first_rows .. first_rows + count, in one pass."""
+        if self._line_fit is None:
+            self._line_fit = self._line()
+        a, b = self._line_fit
+        seen = self.seconds_by_rows
+        floor = max((t for rows, t in seen.items() if rows < first_rows), default=0.0)
+        times = []
+        for rows in range(first_rows, first_rows + count + 1):
+            time = seen.get(rows)
+            if time is None:
+                time = max(a + b * rows, floor)
+            else:
+                floor = max(floor, time)
+            times.append(time)
+        return times
+
     def _line(self) -> tuple[float, float]:
         """Least squares through the seen counts; with fewer than two, a line through the
         one seen (or 1 s) with the prior slope."""

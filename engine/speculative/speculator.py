@@ -153,11 +153,12 @@ class Speculator:
                 candidates.append((math.log1p(value / expected), request_id))
                 expected += value
         candidates.sort(key=lambda candidate: -candidate[0])
-        base = num_decoding * math.log(self.cost.seconds(num_decoding))
+        times = self.cost.seconds_from(num_decoding, len(candidates))
+        base = num_decoding * math.log(times[0])
         best_count, best_gain, gain = 0, 0.0, 0.0
         for count, (value, _) in enumerate(candidates, start=1):
             gain += value
-            net = gain - num_decoding * math.log(self.cost.seconds(num_decoding + count)) + base
+            net = gain - num_decoding * math.log(times[count]) + base
             if net > best_gain:
                 best_count, best_gain = count, net
         taken: dict[str, int] = dict.fromkeys(rooms, 0)
