@@ -26,6 +26,9 @@ ACCEPTANCE_DECAY = 0.8  # per verification
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0  # verifications' worth
 FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps without drafts before one is tried again
+# Drafts must promise the decoding requests at least this mean gain in log speed (1%): the
+# estimates behind a smaller one are noisier than the gain.
+MIN_GAIN_PER_REQUEST = 0.01
 
 
 class DraftSource(Protocol):
@@ -155,7 +158,7 @@ class Speculator:
         candidates.sort(key=lambda candidate: -candidate[0])
         times = self.cost.seconds_from(num_decoding, len(candidates))
         base = num_decoding * math.log(times[0])
-        best_count, best_gain, gain = 0, 0.0, 0.0
+        best_count, best_gain, gain = 0, MIN_GAIN_PER_REQUEST * num_decoding, 0.0
         for count, (value, _) in enumerate(candidates, start=1):
             gain += value
             net = gain - num_decoding * math.log(times[count]) + base
