@@ -146,8 +146,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int64 on device, padded with 0
     slot_mapping: torch.Tensor  # [T] int64 on device: block_id * block_size + offset per new token
     plan: StepPlan | None = None  # made by the backend's builder (none for Triton)
-    # Requests whose rows are verified drafts: each row a decode row where a kernel takes them
-    row_requests: frozenset[int] = frozenset()
+    row_requests: frozenset[int] = frozenset()  # drafted decodes: their rows are decode rows
     workspace: Workspace = field(default_factory=lambda: DEFAULT_WORKSPACE)
     head_plans: dict[int, HeadPlan] = field(default_factory=dict)  # by KV head count
     triton_rows: QueryRows | None = None  # the Triton kernels' per-row view, made once a step
@@ -178,8 +177,7 @@ class AttentionMetadata:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device | str,
-        workspace: Workspace | None = None,
-        row_requests: frozenset[int] = frozenset(),
+        workspace: Workspace | None = None, row_requests: frozenset[int] = frozenset(),
     ) -> AttentionMetadata:
         """One step's metadata, unplanned: the backend's builder plans what its layers read."""
         for table, seq_len in zip(block_tables, seq_lens, strict=True):
@@ -213,22 +211,20 @@ class AttentionMetadata:
 
 def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
               tiled_prefill: bool = False, rows_only: bool = False) -> StepPlan:
-    """`kernel`: the C++ kernel takes every decode and every row of the short prefill chunks
-    and of the drafted decodes (`metadata.row_requests`: each row is what a decode at its
-    position computes, and a chunk of a few rows would cost the tiled kernel its whole
-    context's layout); `tiled_prefill`: the AMX prefill kernel takes the other chunks;
-    `rows_only` (with `kernel`): every row of every chunk is a decode row of the C++ kernel,
-    whatever its length (batch-invariant mode: one kernel for every row)."""
+    """`kernel`: the C++ kernel takes every decode, every row of the short prefill chunks and
+    of the drafted decodes (`row_requests`: a few rows would cost the tiled kernel their
+    context's layout); `tiled_prefill`: the AMX kernel takes the other chunks; `rows_only`:
+    every row of every chunk is a decode row (batch-invariant mode: one kernel per row)."""
     query_lens = metadata.query_lens
     if metadata.block_tables.shape[1] * block_size < max(metadata.seq_lens, default=0):
         raise ValueError("block tables are narrower than the longest context")
     decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
     prefill_ids = [i for i, query_len in enumerate(query_lens) if query_len > 1]
-    rows = metadata.row_requests
+    as_rows = metadata.row_requests if kernel and not rows_only else frozenset()
     tiled_ids = {i for i in prefill_ids if kernel and tiled_prefill and not rows_only
-                 and i not in rows and query_lens[i] >= TILED_PREFILL_MIN_TOKENS}
-    short = [i for i in prefill_ids if kernel and i not in tiled_ids
-             and (rows_only or i in rows or query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS)]
+                 and i not in as_rows and query_lens[i] >= TILED_PREFILL_MIN_TOKENS}
+    short = [i for i in prefill_ids if i in as_rows or (kernel and i not in tiled_ids and (
+        rows_only or query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS))]
     covered = frozenset(short) | tiled_ids
     prefills = [plan_prefill(metadata, i, block_size, masked=i not in covered)
                 for i in prefill_ids]
