@@ -85,6 +85,9 @@ class FixedCost:
     def seconds(self, num_rows: int) -> float:
         return 1.0 + 0.01 * num_rows
 
+    def seconds_from(self, first_rows: int, count: int) -> list[float]:
+        return [self.seconds(rows) for rows in range(first_rows, first_rows + count + 1)]
+
 
 def spec_core(model_dir: str, continuations: dict[str, list[int]], **overrides):
     core = make_core(model_dir, speculative_config=NGRAM, **overrides)
@@ -237,6 +240,7 @@ def test_seeded_samples_repeat_alone_beside_others_and_without_drafts(tiny_model
             max_tokens=30, temperature=0.8, seed=seed, ignore_eos=True), 0.0)
 
     core = make_core(tiny_model_dir, speculative_config=NGRAM)
+    core.speculator.cost = FixedCost()  # drafts pay: they are verified on every run
     alone = run_to_completion(core, [seeded("a", 11)])["a"]
     again = run_to_completion(core, [seeded("b", 11)])["b"]
     others = [greedy_request(prompt_of(20 + i, i), max_tokens=25) for i in range(6)]
