@@ -1,11 +1,13 @@
 """Drafts for the running requests each step, and how many of them pay.
 
 Per request, acceptance is modelled as geometric: each draft position is accepted with
-probability q (estimated from its recent verifications, older ones weighing less), so its
-j-th draft yields q^j tokens on average. Each step the drafts on offer are taken best first
-as long as the step's expected tokens per second grow: N decode rows and the taken drafts'
-yields, over the time a step of that many rows takes (engine.speculative.cost). So k
-shrinks as q falls, as the batch grows, and where one more row costs a jump in step time.
+probability q (estimated from its recent verifications, older ones weighing less, and
+counted one standard error low), so its j-th draft yields q^j tokens on average. A draft
+slows the whole step but speeds one request: each step the drafts taken, best first, are
+those that maximize the sum over the decoding requests of log(expected tokens / step time)
+(proportional fairness), step time by row count from engine.speculative.cost, and only if
+that promises at least a 1% mean gain. So k shrinks as q falls, as the batch grows, and
+where one more row costs a jump in step time. Only then is the source asked for that many.
 A request none of whose drafts pay stops drafting, and tries one draft again after a
 pause that doubles each time it still does not pay."""
 
