@@ -28,6 +28,11 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return 2 * num_layers * num_kv_heads * head_dim * block_size * element_size
 
 
+def slots_of(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slots of positions start..end-1 of a request with this block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 # KV cache bytes whose pages are touched at start (engine.platform.huge_pages): a W1 run at
 # concurrency 64 on the default model stays inside them.
 PREFAULT_BYTES = 512 << 20
@@ -66,8 +71,7 @@ class StepInputs:
             inputs.positions.extend(range(start, end))
             for table, slots, tables in zip(request.block_tables, inputs.slot_mappings,
                                             inputs.block_tables, strict=True):
-                slots.extend(table[p // block_size] * block_size + p % block_size
-                             for p in range(start, end))
+                slots.extend(slots_of(table, start, end, block_size))
                 tables.append(table)
             inputs.query_lens.append(chunk.num_tokens)
             inputs.seq_lens.append(end)

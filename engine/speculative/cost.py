@@ -26,15 +26,7 @@ class StepCost:
 
     def seconds(self, num_rows: int) -> float:
         """The step time expected at `num_rows` (1.0 per step before anything is seen)."""
-        seen = self.seconds_by_rows.get(num_rows)
-        if seen is not None:
-            return seen
-        floor = max((t for rows, t in self.seconds_by_rows.items() if rows < num_rows),
-                    default=0.0)
-        if self._line_fit is None:
-            self._line_fit = self._line()
-        a, b = self._line_fit
-        return max(a + b * num_rows, floor)
+        return self.seconds_from(num_rows, 0)[0]
 
     def seconds_from(self, first_rows: int, count: int) -> list[float]:
         """`seconds(r)` for r = first_rows .. first_rows + count, in one pass."""

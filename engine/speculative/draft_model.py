@@ -23,7 +23,12 @@ import torch
 
 from common.config import EngineConfig
 from common.default_model import resolve_model
-from engine.executor.model_runner import ModelRunner, StepInputs, kv_bytes_per_block
+from engine.executor.model_runner import (
+    ModelRunner,
+    StepInputs,
+    kv_bytes_per_block,
+    slots_of,
+)
 from engine.kv_cache_groups import KVCacheLayout
 from engine.request import Request
 from engine.sampling.sampler import greedy_tokens
@@ -128,8 +133,8 @@ class DraftModel:
         block_size = self.runner.block_size
         positions = [d.position + step for d in drafts]
         tables = [d.request.block_tables[0] for d in drafts]
-        slots = [table[p // block_size] * block_size + p % block_size
-                 for table, p in zip(tables, positions, strict=True)]
+        slots = [slot for table, p in zip(tables, positions, strict=True)
+                 for slot in slots_of(table, p, p + 1, block_size)]
         inputs = StepInputs(token_ids=[d.chunk.draft_token_ids[step - 1] for d in drafts],
                             positions=positions, slot_mappings=[slots],
                             query_lens=[1] * len(drafts),
