@@ -150,10 +150,12 @@ def build(inputs: Inputs, backend: AttentionBackend) -> AttentionMetadata:
                                   inputs.slot_mapping, "cpu")
 
 
-def expected(inputs: Inputs, metadata: AttentionMetadata, scale: float):
+def expected(inputs: Inputs, metadata: AttentionMetadata, scale: float,
+             window: int | None = None, softcap: float | None = None):
     k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
     write_kv(inputs.k, inputs.v, k_cache, v_cache, metadata.slot_mapping)
-    return reference_attention(inputs.q, k_cache, v_cache, metadata, scale), k_cache, v_cache
+    want = reference_attention(inputs.q, k_cache, v_cache, metadata, scale, window, softcap)
+    return want, k_cache, v_cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -495,3 +497,57 @@ def test_drafted_decodes_are_rows_of_the_decode_kernel_and_match_the_reference(
                           inputs.v_cache.clone(), metadata, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+RUN_CASES = [
+    Case("runs", ((1, 40), (4, 33), (6, 70), (30, 90), (2, 17), (17, 17))),
+    Case("runs_gqa4_dim128", ((1, 70), (5, 129), (9, 40)), num_heads=8, num_kv_heads=2,
+         head_dim=128),
+    Case("runs_mha_block32", ((1, 33), (3, 31), (8, 100)), num_heads=4, num_kv_heads=4,
+         block_size=32),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (None, 2.0), (45, None)])
+@pytest.mark.parametrize("case", RUN_CASES, ids=lambda case: case.name)
+def test_a_requests_rows_read_together_give_each_row_its_bits_alone(
+        case: Case, window: int | None, softcap: float | None, threads: int) -> None:
+    """fp32: a drafted request's rows and a short prompt chunk's (in runs of up to
+    MAX_RUN_ROWS: the 30-row chunk is two) equal, bit for bit, the same rows each read alone,
+    and the reference."""
+    torch.set_num_threads(threads)
+    backend = CpuBackend(case.block_size, case.num_kv_heads)
+    inputs = make_inputs(case, torch.float32, seed=5)
+    drafted = frozenset(i for i, q_len in enumerate(inputs.query_lens) if 1 < q_len < 8)
+    metadata = backend.build_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables,
+                                      inputs.slot_mapping, "cpu", row_requests=drafted)
+    rows = metadata.plan.kernel_rows
+    assert rows is not None and rows.runs is not None
+    most = attention_metadata.MAX_RUN_ROWS
+    assert rows.runs.diff().tolist() == [min(most, q_len - start) for q_len in inputs.query_lens
+                                         for start in range(0, q_len, most)]
+    scale = case.head_dim**-0.5
+    together = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+                               inputs.v_cache.clone(), metadata, scale, window, softcap)
+    rows.runs = None
+    alone = backend.forward(inputs.q, inputs.k, inputs.v, inputs.k_cache.clone(),
+                            inputs.v_cache.clone(), metadata, scale, window, softcap)
+    assert torch.equal(together, alone)
+    want, _, _ = expected(inputs, metadata, scale, window, softcap)
+    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("runs", [[0, 17, 18], [0, 2, 1, 18], [0, 5, 19]],
+                         ids=["too_long", "backwards", "past_the_rows"])
+def test_the_decode_kernel_refuses_runs_it_cannot_read(runs: list[int]) -> None:
+    case = Case("run", ((18, 18),))
+    backend = CpuBackend(case.block_size, case.num_kv_heads)
+    inputs = make_inputs(case, torch.float32)
+    metadata = build(inputs, backend)
+    rows = attention_metadata.plan_rows(metadata, [0], runs=False)
+    rows.runs = torch.tensor(runs)
+    out = torch.empty_like(inputs.q)
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        paged_decode.run_paged_decode(inputs.q, inputs.k_cache, inputs.v_cache, rows,
+                                      case.head_dim**-0.5, out)

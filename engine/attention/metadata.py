@@ -34,6 +34,9 @@ KERNEL_PREFILL_MAX_TOKENS = 512
 # cached (a short chunk left) or not (a long one) (engine.layers.batch_invariant). Below 16
 # rows the decode kernel's rows are ~0.03 ms a layer faster; from 16 on, the tiles are.
 TILED_PREFILL_MIN_TOKENS = 2
+# A request's rows read its blocks together in runs of up to this many (kMaxRun in
+# kernels/cpu/paged_decode.cpp).
+MAX_RUN_ROWS = 16
 
 
 @dataclass(slots=True)
@@ -67,10 +70,17 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [n, max_blocks] int64 (rows may be strided)
     max_block: int  # the largest block id in their tables
     buckets: list[DecodeBucket] | None = None  # torch path, planned with the step (decode_buckets)
+    # [num_runs + 1] int64 offsets: rows [runs[i], runs[i + 1]) are one request's at
+    # consecutive positions, read over its blocks together (None: each row alone)
+    runs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return len(self.rows)
+
+    @property
+    def num_runs(self) -> int:
+        return self.size if self.runs is None else self.runs.numel() - 1
 
 
 @dataclass(slots=True)
@@ -233,7 +243,7 @@ def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
         return StepPlan(block_size, decodes, prefills)
     kernel_rows = decodes
     if short:
-        kernel_rows = plan_rows(metadata, decode_ids + short)
+        kernel_rows = plan_rows(metadata, decode_ids + short, runs=not rows_only)
     tiled_chunks = [chunk for chunk in prefills if chunk.request in tiled_ids]
     tiled = plan_prefill_batch(metadata, tiled_chunks) if tiled_chunks else None
     return StepPlan(block_size, decodes, prefills, kernel_rows, tiled, covered)
@@ -251,13 +261,25 @@ def plan_decodes(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
                        block_tables, int(block_tables.max()))
 
 
-def plan_rows(metadata: AttentionMetadata, ids: list[int]) -> DecodeBatch:
-    """Every query row of the requests `ids`, each as a decode over its causal prefix."""
+def plan_rows(metadata: AttentionMetadata, ids: list[int], runs: bool) -> DecodeBatch:
+    """Every query row of the requests `ids`, each as a decode over its causal prefix; `runs`:
+    a request's rows read its blocks together, up to MAX_RUN_ROWS at a time."""
     device = metadata.block_tables.device
     rows, seq_lens, owners = causal_rows(metadata, ids)
     block_tables = metadata.block_tables.index_select(0, int_tensor(owners, device))
+    offsets = run_offsets(owners) if runs and len(owners) > len(ids) else None
     return DecodeBatch(rows, seq_lens, int_tensor(rows, device), int_tensor(seq_lens, device),
-                       block_tables, int(block_tables.max()))
+                       block_tables, int(block_tables.max()),
+                       runs=None if offsets is None else int_tensor(offsets, device))
+
+
+def run_offsets(owners: list[int]) -> list[int]:
+    """Where each run of rows starts (and the end): a new owner or MAX_RUN_ROWS rows."""
+    offsets = [0]
+    for j in range(1, len(owners)):
+        if owners[j] != owners[j - 1] or j - offsets[-1] == MAX_RUN_ROWS:
+            offsets.append(j)
+    return [*offsets, len(owners)]
 
 
 def plan_prefill_batch(metadata: AttentionMetadata, chunks: list[PrefillChunk]) -> PrefillBatch:

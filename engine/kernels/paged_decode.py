@@ -1,7 +1,8 @@
 """A small C++/OpenMP paged-decode kernel for the CPU (`kernels/cpu/paged_decode.cpp`): one
-query token per request attends over its blocks in place (no gather), with an fp32 softmax
-(bf16 caches on a CPU with AMX: scores and weighted values as tile products; `LOOM_CPU_AMX=0`
-keeps them in vector registers); and the step's KV write, one call copying each new token's
+query token per request attends over its blocks in place (no gather), or a run of one
+request's rows at consecutive positions (a decode and its drafts) over its blocks read once,
+with an fp32 softmax (bf16 caches on a CPU with AMX: scores and weighted values as tile
+products; `LOOM_CPU_AMX=0` keeps them in vector registers); and the step's KV write, one call copying each new token's
 heads into their cache rows. Built once by `engine.kernels.build` and loaded through ctypes;
 when it cannot be built, attention falls back to its torch path.
 """
@@ -37,10 +38,11 @@ def run_paged_decode(
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     tables = batch.block_tables
+    runs = None if batch.runs is None else batch.runs.data_ptr()
     status = kernel(
         int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
-        batch.row_index.data_ptr(), batch.size, q.shape[1], k_cache.shape[1], k_cache.shape[2],
+        batch.row_index.data_ptr(), batch.size, runs, batch.num_runs, q.shape[1], k_cache.shape[1], k_cache.shape[2],
         q.shape[2], scale, window or 0, softcap or 0.0, int(kernel_enabled("LOOM_CPU_AMX")),
         out.data_ptr(), torch.get_num_threads(),
     )
@@ -72,8 +74,8 @@ def load_cpp_library() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
     return load_library("paged_decode", "the torch path", {
         "loom_write_kv": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, I64], None),
-        "loom_paged_decode": ([INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64,
-                               I64, FLOAT, I64, FLOAT, INT, PTR, INT], ctypes.c_int),
+        "loom_paged_decode": ([INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, I64, I64,
+                               I64, I64, I64, FLOAT, I64, FLOAT, INT, PTR, INT], ctypes.c_int),
     })
 
 

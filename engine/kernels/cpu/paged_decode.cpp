@@ -227,6 +227,18 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   }
 }
 
+// Up to kMaxRun rows of one request at consecutive positions (a decode and its drafts, or a
+// short prompt chunk's rows), row r seeing its context's first lens[r] tokens.
+constexpr int kMaxRun = 16;
+
+template <typename T>
+struct Run {
+  int64_t size;
+  const T* q[kMaxRun];
+  T* out[kMaxRun];
+  int64_t lens[kMaxRun];
+};
+
 #if defined(__AVX512F__)
 // AVX-512: head_dim 64 or 128 and the group fixed at compile time. Scores come 16 tokens at
 // a time: each token's dot product as a vector of 16 partial sums (bf16 pairs through
@@ -588,6 +600,115 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
       for (int64_t i = 0; i < kDim; ++i) store(dst + dim_at(dst, i), row[i] * inv);
     }
 }
+
+// A run's rows over its blocks, each block read from memory once for all of them. Each row's
+// sums are the ones decode_one_simd makes for it in vector registers, in the same order (fp32:
+// the same bits; bf16 contexts of 64 tokens and more take tiles there, vectors here).
+template <typename T, int kDim, int kGroup>
+void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
+                     const int64_t* table, const Task& a, std::vector<float>& scores,
+                     std::vector<float>& scratch) {
+  constexpr int kVecs = kDim / 16;
+  constexpr int64_t kRow = kGroup * kDim;
+  const int64_t bs = a.block_size, heads = a.num_task_heads, m = run.size;
+  const int64_t block_elems = bs * kDim, len = run.lens[m - 1];
+  const int64_t num_blocks = (len + bs - 1) / bs;
+  auto block_ptr = [&](const T* cache, int64_t b) {
+    return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
+  };
+  const int64_t span = heads * block_elems * int64_t(sizeof(T));
+  const int64_t per_row = heads * kRow + 2 * heads * kGroup;  // acc, maxes, inv_sums
+  scratch.resize(m * per_row);
+  std::fill(scratch.begin(), scratch.end(), 0.f);
+  int64_t score_start[kMaxRun + 1] = {0};
+  for (int64_t r = 0; r < m; ++r) {
+    float* maxes = scratch.data() + r * per_row + heads * kRow;
+    std::fill(maxes, maxes + heads * kGroup, -INFINITY);
+    score_start[r + 1] = score_start[r] + heads * kGroup * run.lens[r];
+  }
+  scores.resize(score_start[m]);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const int64_t head_bytes = block_elems * int64_t(sizeof(T));
+  auto ahead_of_head = [&](const T* cache, int64_t b, int64_t h) {
+    if (b + kHeadPrefetchBlocks < num_blocks)
+      prefetch(block_ptr(cache, b + kHeadPrefetchBlocks) + h * block_elems, head_bytes);
+  };
+
+  const auto ahead = block_prefetch<T>(table, num_blocks, span, block_ptr);
+  ahead.l2_window_of(k_cache, v_cache);
+  ahead.first_of(k_cache);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * bs;
+    for (int64_t h = 0; h < heads; ++h) {
+      ahead_of_head(k_cache, b, h);
+      const T* keys = block_ptr(k_cache, b) + h * block_elems;
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t len_r = run.lens[r], count = std::min(bs, len_r - start);
+        const T* query = run.q[r] + a.head * kRow;
+        float* sh = scores.data() + score_start[r] + h * kGroup * len_r + start;
+        float* mh = scratch.data() + r * per_row + heads * kRow + h * kGroup;
+        for (int64_t t = 0; t < count; t += 16) {
+          const __mmask16 live = lanes_below(count - t);
+          for (int g = 0; g < kGroup; ++g) {
+            __m512 dots = dots16<kDim>(keys + t * kDim, query + (h * kGroup + g) * kDim);
+            dots = _mm512_mul_ps(dots, scale);
+            if (a.softcap > 0.f) {
+              alignas(64) float capped_dots[16];
+              _mm512_store_ps(capped_dots, dots);
+              for (float& dot : capped_dots) dot = capped(dot, a.softcap);
+              dots = _mm512_load_ps(capped_dots);
+            }
+            _mm512_mask_storeu_ps(sh + g * len_r + t, live, dots);
+            mh[g] = std::max(mh[g], _mm512_mask_reduce_max_ps(live, dots));
+          }
+        }
+      }
+    }
+  }
+
+  ahead.first_of(v_cache);
+  for (int64_t r = 0; r < m; ++r) {
+    float* maxes = scratch.data() + r * per_row + heads * kRow;
+    softmax_rows(scores.data() + score_start[r], heads * kGroup, run.lens[r], maxes,
+                 maxes + heads * kGroup);
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t start = b * bs;
+    for (int64_t h = 0; h < heads; ++h) {
+      ahead_of_head(v_cache, b, h);
+      const T* values = block_ptr(v_cache, b) + h * block_elems;
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t len_r = run.lens[r], count = std::min(bs, len_r - start);
+        const float* sh = scores.data() + score_start[r] + h * kGroup * len_r + start;
+        float* ah = scratch.data() + r * per_row + h * kRow;
+        __m512 av[kGroup][kVecs];
+        for (int g = 0; g < kGroup; ++g)
+          for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_loadu_ps(ah + g * kDim + 16 * i);
+        for (int64_t t = 0; t < count; ++t) {
+          __m512 value[kVecs];
+          load_row<kDim>(values + t * kDim, value);
+          for (int g = 0; g < kGroup; ++g) {
+            const __m512 p = _mm512_set1_ps(sh[g * len_r + t]);
+            for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_fmadd_ps(p, value[i], av[g][i]);
+          }
+        }
+        for (int g = 0; g < kGroup; ++g)
+          for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(ah + g * kDim + 16 * i, av[g][i]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* acc = scratch.data() + r * per_row;
+    const float* inv_sums = acc + heads * kRow + heads * kGroup;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int g = 0; g < kGroup; ++g) {
+        const float inv = inv_sums[h * kGroup + g];
+        const float* row = acc + h * kRow + g * kDim;
+        T* dst = run.out[r] + a.head * kRow + h * kRow + g * kDim;
+        for (int64_t i = 0; i < kDim; ++i) store(dst + dim_at(dst, i), row[i] * inv);
+      }
+  }
+}
 #endif
 
 template <typename T>
@@ -621,28 +742,78 @@ DecodeOne<T> pick_decode_one(int64_t dim, int64_t group, int64_t block_size) {
 }
 
 template <typename T>
+using DecodeRun = void (*)(const Run<T>&, const T*, const T*, const int64_t*, const Task&,
+                           std::vector<float>&, std::vector<float>&);
+
+template <typename T, int kDim>
+DecodeRun<T> run_for_group(int64_t group) {
+#if defined(__AVX512F__)
+  switch (group) {
+    case 1: return decode_run_simd<T, kDim, 1>;
+    case 2: return decode_run_simd<T, kDim, 2>;
+    case 3: return decode_run_simd<T, kDim, 3>;
+    case 4: return decode_run_simd<T, kDim, 4>;
+    case 5: return decode_run_simd<T, kDim, 5>;
+    case 6: return decode_run_simd<T, kDim, 6>;
+    case 7: return decode_run_simd<T, kDim, 7>;
+    case 8: return decode_run_simd<T, kDim, 8>;
+  }
+#endif
+  (void)group;
+  return nullptr;
+}
+
+// The run kernel where one serves these shapes (else each row of a run alone).
+template <typename T>
+DecodeRun<T> pick_decode_run(int64_t dim, int64_t group, int64_t block_size, int64_t window) {
+  if (block_size % 16 != 0 || window > 0) return nullptr;
+  if (dim == 64) return run_for_group<T, 64>(group);
+  if (dim == 128) return run_for_group<T, 128>(group);
+  return nullptr;
+}
+
+// Entries [runs[i], runs[i + 1]) are run i: rows of one request at consecutive positions,
+// their block tables alike (runs == nullptr: every entry is a run of its own).
+template <typename T>
 void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
             const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
-            const int64_t* rows, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-            int64_t block_size, int64_t dim, float scale, int64_t window, float softcap,
-            bool tiles, T* out, int threads) {
-  const DecodeOne<T> one = pick_decode_one<T>(dim, num_heads / num_kv_heads, block_size);
-  // Enough requests to share out: one task per request, its heads read block by block. Few:
-  // one task per (request, KV head), so every thread has work.
-  const int64_t task_heads = n >= kRequestsPerThread * threads ? num_kv_heads : 1;
-  const int64_t tasks_per_request = num_kv_heads / task_heads;
+            const int64_t* rows, int64_t n, const int64_t* runs, int64_t num_runs,
+            int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t dim,
+            float scale, int64_t window, float softcap, bool tiles, T* out, int threads) {
+  const int64_t group = num_heads / num_kv_heads;
+  const DecodeOne<T> one = pick_decode_one<T>(dim, group, block_size);
+  const DecodeRun<T> run_kernel = pick_decode_run<T>(dim, group, block_size, window);
+  if (runs == nullptr) num_runs = n;
+  // Enough runs to share out: one task per run, its heads read block by block. Few: one
+  // task per (run, KV head), so every thread has work.
+  const int64_t task_heads = num_runs >= kRequestsPerThread * threads ? num_kv_heads : 1;
+  const int64_t tasks_per_run = num_kv_heads / task_heads;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores, tile;
+    Run<T> run;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n * tasks_per_request; ++item) {
-      const int64_t r = item / tasks_per_request;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[r] - window) : 0;
-      const Task a{seq_lens[r], (item % tasks_per_request) * task_heads, task_heads,
-                   num_heads / num_kv_heads, num_kv_heads, block_size, scale, first, softcap,
-                   tiles};
-      one(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride, dim, a,
-          out + rows[r] * num_heads * dim, scores, tile);
+    for (int64_t item = 0; item < num_runs * tasks_per_run; ++item) {
+      const int64_t i = item / tasks_per_run;
+      const int64_t begin = runs ? runs[i] : i, end = runs ? runs[i + 1] : i + 1;
+      Task a{0, (item % tasks_per_run) * task_heads, task_heads, group, num_kv_heads,
+             block_size, scale, 0, softcap, tiles};
+      if (end - begin > 1 && run_kernel != nullptr) {
+        run.size = end - begin;
+        for (int64_t r = 0; r < run.size; ++r) {
+          run.q[r] = q + rows[begin + r] * q_stride;
+          run.out[r] = out + rows[begin + r] * num_heads * dim;
+          run.lens[r] = seq_lens[begin + r];
+        }
+        run_kernel(run, k_cache, v_cache, tables + begin * table_stride, a, scores, tile);
+        continue;
+      }
+      for (int64_t r = begin; r < end; ++r) {
+        a.seq_len = seq_lens[r];
+        a.first = window > 0 ? std::max<int64_t>(0, seq_lens[r] - window) : 0;
+        one(q + rows[r] * q_stride, k_cache, v_cache, tables + r * table_stride, dim, a,
+            out + rows[r] * num_heads * dim, scores, tile);
+      }
     }
   }
 }
@@ -665,22 +836,28 @@ extern "C" void loom_write_kv(const char* k, int64_t k_stride, const char* v, in
 extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
                                  const void* k_cache, const void* v_cache, const int64_t* tables,
                                  int64_t table_stride, const int64_t* seq_lens,
-                                 const int64_t* rows, int64_t n, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t block_size, int64_t dim,
+                                 const int64_t* rows, int64_t n, const int64_t* runs,
+                                 int64_t num_runs, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t block_size, int64_t dim,
                                  float scale, int64_t window, float softcap, int tiles,
                                  void* out, int threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kMaxGroup ||
       dim > kMaxDim)
     return 1;
+  for (int64_t i = 0; runs != nullptr && i < num_runs; ++i) {  // short, ascending, inside n
+    if (runs[i + 1] - runs[i] > kMaxRun || runs[i + 1] <= runs[i] || runs[i + 1] > n) return 2;
+    for (int64_t r = runs[i] + 1; r < runs[i + 1]; ++r)
+      if (seq_lens[r] < seq_lens[r - 1]) return 2;
+  }
   if (is_bf16)
     decode(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_cache),
            static_cast<const uint16_t*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, window, softcap, tiles != 0,
-           static_cast<uint16_t*>(out), threads);
+           runs, num_runs, num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
+           tiles != 0, static_cast<uint16_t*>(out), threads);
   else
     decode(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_cache),
            static_cast<const float*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           num_heads, num_kv_heads, block_size, dim, scale, window, softcap, tiles != 0,
-           static_cast<float*>(out), threads);
+           runs, num_runs, num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
+           tiles != 0, static_cast<float*>(out), threads);
   return 0;
 }
