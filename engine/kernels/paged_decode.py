@@ -2,9 +2,9 @@
 query token per request attends over its blocks in place (no gather), or a run of one
 request's rows at consecutive positions (a decode and its drafts) over its blocks read once,
 with an fp32 softmax (bf16 caches on a CPU with AMX: scores and weighted values as tile
-products; `LOOM_CPU_AMX=0` keeps them in vector registers); and the step's KV write, one call copying each new token's
-heads into their cache rows. Built once by `engine.kernels.build` and loaded through ctypes;
-when it cannot be built, attention falls back to its torch path.
+products; `LOOM_CPU_AMX=0` keeps them in vector registers); and the step's KV write, one call
+copying each new token's heads into their cache rows. Built once by `engine.kernels.build`
+and loaded through ctypes; when it cannot be built, attention falls back to its torch path.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def run_paged_decode(
     status = kernel(
         int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
-        batch.row_index.data_ptr(), batch.size, runs, batch.num_runs, q.shape[1], k_cache.shape[1], k_cache.shape[2],
-        q.shape[2], scale, window or 0, softcap or 0.0, int(kernel_enabled("LOOM_CPU_AMX")),
-        out.data_ptr(), torch.get_num_threads(),
+        batch.row_index.data_ptr(), batch.size, runs, batch.num_runs, q.shape[1],
+        k_cache.shape[1], k_cache.shape[2], q.shape[2], scale, window or 0, softcap or 0.0,
+        int(kernel_enabled("LOOM_CPU_AMX")), out.data_ptr(), torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"paged decode kernel refused its arguments ({status})")
