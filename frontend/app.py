@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.curve import CurveKeys, load_secret
 from common.sockets import is_tcp
+from frontend.anthropic_api import count_tokens, create_message
 from frontend.auth import api_key_middleware
 from frontend.body_limit import body_limit_middleware
 from frontend.engine_client import EngineClient
@@ -42,6 +43,8 @@ def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
     app.on_cleanup.append(_disconnect_engine)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/messages", create_message)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -118,18 +121,25 @@ async def metrics(request: web.Request) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Errors as OpenAI's bodies, or as Anthropic's on the Messages routes."""
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        return _error_response(request, exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         error_type = INVALID_REQUEST if exc.status < 500 else "server_error"
         message = exc.text if exc.text and exc.text != exc.reason else exc.reason
-        return APIError(message, status=exc.status, type=error_type).response()
+        return _error_response(request, APIError(message, status=exc.status, type=error_type))
     except asyncio.CancelledError:
         raise
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
-        return internal_error("Internal server error.").response()
+        return _error_response(request, internal_error("Internal server error."))
+
+
+def _error_response(request: web.Request, error: APIError) -> web.Response:
+    if request.path == "/v1/messages" or request.path.startswith("/v1/messages/"):
+        return error.anthropic_response()
+    return error.response()

@@ -1,5 +1,5 @@
 """API keys: every /v1 route and the tokenizer routes need `Authorization: Bearer <key>`
-when a key is set.
+(or Anthropic's `x-api-key: <key>`) when a key is set.
 
 /health and /metrics stay open, as load balancers and scrapers expect.
 """
@@ -32,11 +32,10 @@ def api_key_middleware(api_key: str) -> web.middleware:
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
         if is_protected(request.path):
-            token = bearer_token(request)
-            if token is None:
-                raise unauthorized(
-                    "Missing API key: send it as an 'Authorization: Bearer <key>' header."
-                )
+            token = bearer_token(request) or request.headers.get("x-api-key", "").strip()
+            if not token:
+                raise unauthorized("Missing API key: send it as an 'Authorization: Bearer "
+                                   "<key>' header (or 'x-api-key: <key>').")
             if not hmac.compare_digest(token.encode(), expected):
                 raise unauthorized("Incorrect API key provided.")
         return await handler(request)

@@ -38,6 +38,22 @@ class APIError(Exception):
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
 
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500
+                                         else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def anthropic_response(self) -> web.Response:
+        return web.json_response(self.anthropic_body(), status=self.status,
+                                 headers=self.headers)
+
+
+# Anthropic's error types by HTTP status (its API's "Errors" page).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
 
 def invalid_param(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(message, status=400, param=param, code=code)

@@ -34,6 +34,7 @@ class Delta:
     text: str
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless requested
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(slots=True)
@@ -134,7 +135,7 @@ class Generation:
             text += self._detokenizer.flush()
         matched = self._stop_strings.feed(text)
         if matched.stopped:
-            return Delta(matched.text, FinishReason.STOP, logprobs)
+            return Delta(matched.text, FinishReason.STOP, logprobs, matched.stop)
         if finish_reason is not None:
             return Delta(matched.text + self._stop_strings.flush(), finish_reason, logprobs)
         if matched.text or logprobs:
@@ -167,12 +168,12 @@ class Generation:
         """The whole text and the finish reason, for non-streaming responses."""
         parts: list[str] = []
         logprobs: list[TokenLogprob] = []
-        finish_reason = None
+        last = Delta("")
         async for delta in self.deltas():
             parts.append(delta.text)
             logprobs.extend(delta.logprobs)
-            finish_reason = delta.finish_reason
-        return Delta("".join(parts), finish_reason, logprobs)
+            last = delta
+        return Delta("".join(parts), last.finish_reason, logprobs, last.stop_sequence)
 
 
 def one_token_each(output: RequestOutput) -> list[RequestOutput]:

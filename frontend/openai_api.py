@@ -110,8 +110,30 @@ async def _generate(
     response_format: ResponseFormat,
     arrival: float,
 ) -> web.StreamResponse:
-    engines, info = state.ready_engine()
     prompt_param = "messages" if isinstance(response_format, ChatFormat) else "prompt"
+    generations = prepare_generations(state, prompts, options, response_format.request_id,
+                                      prompt_param, arrival)
+    try:
+        async with contextlib.AsyncExitStack() as running:
+            for generation in generations:
+                await running.enter_async_context(generation)
+            if options.stream:
+                return await _stream(request, generations, options.n, response_format)
+            results = await collect_all(generations)
+    except (EngineUnavailableError, EngineBusyError, EngineRequestError) as exc:
+        raise engine_failure(exc) from exc
+    for generation, result in zip(generations, results, strict=True):
+        log_finished(generation, result.finish_reason)
+    usage = total_usage([generation.usage for generation in generations], options.n)
+    return web.json_response(response_format.body(results, usage))
+
+
+def prepare_generations(state: ServerState, prompts: list[list[int]],
+                        options: GenerationOptions, request_id: str, prompt_param: str,
+                        arrival: float) -> list[Generation]:
+    """One Generation per choice, routed to one engine and admitted: enter them (`async
+    with`) before the next await, so that the admission estimate cannot go stale."""
+    engines, info = state.ready_engine()
     if options.priority != 0 and not info.priority_scheduling:
         raise invalid_param("priority", "Request priorities need a server started with "
                             "--scheduling-policy priority.")
@@ -122,36 +144,22 @@ async def _generate(
             raise invalid_param(prompt_param, "The prompt is empty after tokenization.")
         max_tokens = limit.max_tokens_for(len(prompt_ids), options.max_tokens, prompt_param)
         sampling.append(options.sampling_params(max_tokens))
-    engine_requests = choice_requests(
-        response_format.request_id, prompts, sampling, options.n, time.time(), options.priority
-    )
+    engine_requests = choice_requests(request_id, prompts, sampling, options.n, time.time(),
+                                      options.priority)
     try:
         engine = engines.route(prompts)  # every prompt and choice of a request on one engine
     except EngineUnavailableError as exc:
-        raise _engine_failure(exc) from exc
+        raise engine_failure(exc) from exc
     generations = [
         Generation(engine, state.tokenizer.tokenizer, engine_request, options.stop,
                    info.eos_token_ids, arrival)
         for engine_request in engine_requests
     ]  # fmt: skip
-    # No await between this check and the last ADD: the estimate cannot go stale.
     state.admission.admit(engines, len(engine_requests))
-    try:
-        async with contextlib.AsyncExitStack() as running:
-            for generation in generations:
-                await running.enter_async_context(generation)
-            if options.stream:
-                return await _stream(request, generations, options.n, response_format)
-            results = await _collect_all(generations)
-    except (EngineUnavailableError, EngineBusyError, EngineRequestError) as exc:
-        raise _engine_failure(exc) from exc
-    for generation, result in zip(generations, results, strict=True):
-        _log_finished(generation, result.finish_reason)
-    usage = total_usage([generation.usage for generation in generations], options.n)
-    return web.json_response(response_format.body(results, usage))
+    return generations
 
 
-async def _collect_all(generations: list[Generation]) -> list[Delta]:
+async def collect_all(generations: list[Generation]) -> list[Delta]:
     tasks = [asyncio.create_task(generation.collect()) for generation in generations]
     try:
         return await asyncio.gather(*tasks)
@@ -186,17 +194,17 @@ async def _stream(
                 await events.send(response_format.usage_chunk(usage))
         except (EngineUnavailableError, EngineRequestError) as exc:
             logger.warning("%s failed mid-stream: %s", response_format.request_id, exc)
-            await events.send(_engine_failure(exc).body())
+            await events.send(engine_failure(exc).body())
         await events.done()
     except ConnectionResetError:
         logger.info("%s: client disconnected", response_format.request_id)
         return events.response
     for index, generation in enumerate(generations):
-        _log_finished(generation, finish_reasons.get(index))
+        log_finished(generation, finish_reasons.get(index))
     return events.response
 
 
-def _engine_failure(exc: Exception) -> APIError:
+def engine_failure(exc: Exception) -> APIError:
     if isinstance(exc, EngineRequestError):
         return APIError(f"The engine refused the request: {exc}", code="request_refused")
     if isinstance(exc, ShuttingDownError):
@@ -204,7 +212,7 @@ def _engine_failure(exc: Exception) -> APIError:
     return engine_unavailable(str(exc))
 
 
-def _log_finished(generation: Generation, finish_reason: str | None) -> None:
+def log_finished(generation: Generation, finish_reason: str | None) -> None:
     usage = generation.usage
     logger.info(
         "%s finished (%s): %d prompt tokens (%d cached), %d generated",

@@ -1,4 +1,5 @@
-"""Server-sent events in the OpenAI framing: `data: {json}\\n\\n`, ended by `data: [DONE]`."""
+"""Server-sent events in the OpenAI framing (`data: {json}\\n\\n`, ended by `data: [DONE]`) or
+in Anthropic's (`event: <type>\\ndata: {json}\\n\\n`, ended by closing the stream)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ class EventStream:
         """Raises ConnectionResetError once the client is gone."""
         await self.response.write(encode_event(payload))
 
+    async def send_named(self, event: str, payload: dict[str, Any]) -> None:
+        """Raises ConnectionResetError once the client is gone."""
+        await self.response.write(f"event: {event}\n".encode() + encode_event(payload))
+
     async def done(self) -> None:
         await self.response.write(DONE)
+        await self.response.write_eof()
+
+    async def close(self) -> None:
         await self.response.write_eof()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 class StopResult:
     text: str  # safe to emit now
     stopped: bool
+    stop: str | None = None  # the stop string matched
 
 
 class StopStringMatcher:
@@ -25,10 +26,10 @@ class StopStringMatcher:
         if not self._stop:
             return StopResult(text, False)
         pending = self._pending + text
-        cut = self._earliest_match(pending)
-        if cut is not None:
+        match = self._earliest_match(pending)
+        if match is not None:
             self._pending = ""
-            return StopResult(pending[:cut], True)
+            return StopResult(pending[:match[0]], True, match[1])
         hold = self._partial_match_length(pending)
         self._pending = pending[len(pending) - hold :]
         return StopResult(pending[: len(pending) - hold], False)
@@ -37,9 +38,11 @@ class StopStringMatcher:
         pending, self._pending = self._pending, ""
         return pending
 
-    def _earliest_match(self, text: str) -> int | None:
-        positions = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-        return min(positions) if positions else None
+    def _earliest_match(self, text: str) -> tuple[int, str] | None:
+        """(where, which) of the stop string found first (the earliest, then the first
+        listed)."""
+        found = [(text.find(s), s) for s in self._stop]
+        return min(((i, s) for i, s in found if i >= 0), key=lambda m: m[0], default=None)
 
     def _partial_match_length(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""

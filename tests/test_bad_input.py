@@ -234,3 +234,73 @@ def test_health_and_metrics_need_no_key(server: LaunchedServer) -> None:
     status, headers, raw = send(server, "GET", "/metrics", None, {})
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     assert b"loom:num_requests_running" in raw
+
+
+MESSAGES = "/v1/messages"
+X_KEY = {"x-api-key": API_KEY}
+
+
+def message(**fields: Any) -> dict[str, Any]:
+    return {"model": TINY_MODEL_NAME, "messages": USER, "max_tokens": 2} | fields
+
+
+WEATHER_TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
+ANTHROPIC_CASES = [
+    Case("no key", MESSAGES, message(), 401, headers={}),
+    Case("wrong x-api-key", MESSAGES, message(), 401, headers={"x-api-key": "sk-wrong"}),
+    Case("invalid JSON", MESSAGES, b'{"model": "tiny-llama", "messages": [', headers=X_KEY),
+    Case("max_tokens missing", MESSAGES, {"model": TINY_MODEL_NAME, "messages": USER},
+         headers=X_KEY),
+    Case("max_tokens zero", MESSAGES, message(max_tokens=0), headers=X_KEY),
+    Case("max_tokens past the context", MESSAGES, message(max_tokens=10**9), headers=X_KEY),
+    Case("model missing", MESSAGES, {"messages": USER, "max_tokens": 2}, headers=X_KEY),
+    Case("unknown model", MESSAGES, message(model="claude-17"), 404, headers=X_KEY),
+    Case("messages empty", MESSAGES, message(messages=[]), headers=X_KEY),
+    Case("system role in messages", MESSAGES,
+         message(messages=[{"role": "system", "content": "Hi"}]), headers=X_KEY),
+    Case("image block", MESSAGES, message(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/x.png"}}]}]),
+         headers=X_KEY),
+    Case("tool_use in a user turn", MESSAGES, message(messages=[{"role": "user", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}]),
+         headers=X_KEY),
+    Case("tool_result without its id", MESSAGES, message(messages=[
+        {"role": "user", "content": [{"type": "tool_result", "content": "sunny"}]}]),
+         headers=X_KEY),
+    Case("last turn the assistant's", MESSAGES, message(messages=[
+        *USER, {"role": "assistant", "content": "Hel"}]), headers=X_KEY),
+    Case("temperature above one", MESSAGES, message(temperature=1.5), headers=X_KEY),
+    Case("top_k negative", MESSAGES, message(top_k=-3), headers=X_KEY),
+    Case("stop_sequences a string", MESSAGES, message(stop_sequences="END"), headers=X_KEY),
+    Case("tool without input_schema", MESSAGES, message(tools=[{"name": "get_weather"}]),
+         headers=X_KEY),
+    Case("tool_choice naming no tool", MESSAGES,
+         message(tools=[WEATHER_TOOL], tool_choice={"type": "tool", "name": "nope"}),
+         headers=X_KEY),
+    Case("tool_choice of an unknown type", MESSAGES,
+         message(tools=[WEATHER_TOOL], tool_choice={"type": "sometimes"}), headers=X_KEY),
+    Case("tool_choice without tools", MESSAGES, message(tool_choice={"type": "any"}),
+         headers=X_KEY),
+    Case("stream a string", MESSAGES, message(stream="yes"), headers=X_KEY),
+    Case("count_tokens without messages", MESSAGES + "/count_tokens",
+         {"model": TINY_MODEL_NAME}, headers=X_KEY),
+    Case("oversized body", MESSAGES, message(system="x" * (MAX_BODY_BYTES + 10)), 413,
+         headers=X_KEY),
+]
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   404: "not_found_error", 413: "request_too_large"}
+
+
+@pytest.mark.parametrize("case", ANTHROPIC_CASES, ids=[case.name for case in ANTHROPIC_CASES])
+def test_bad_input_to_messages_gets_an_anthropic_error(server: LaunchedServer,
+                                                       case: Case) -> None:
+    status, headers, raw = send(server, case.method, case.path, case.body, case.headers)
+    assert status == case.status, raw[:500]
+    assert headers.get("Content-Type", "").startswith("application/json")
+    body = json.loads(raw)
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    assert body["error"]["type"] == ANTHROPIC_TYPES[status]
+    assert body["error"]["message"]
+    status, _, raw = send(server, "POST", MESSAGES, message(), X_KEY)
+    assert status == 200, raw
+    assert json.loads(raw)["stop_reason"] == "max_tokens"
