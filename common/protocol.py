@@ -17,7 +17,7 @@ import msgpack
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
 
@@ -159,6 +159,8 @@ class RequestOutput:
     logprobs: list[list[Any]] | None = None
     # On a request's first token only: seconds from reaching the engine to first being scheduled.
     queue_time_s: float | None = None
+    # An embedding request's pooled vector, as little-endian float32 bytes (on its last output)
+    embedding: bytes | None = None
 
     def to_wire(self) -> list[Any]:
         return [
@@ -168,21 +170,25 @@ class RequestOutput:
             self.num_cached_tokens,
             self.logprobs,
             self.queue_time_s,
+            self.embedding,
         ]
 
     @classmethod
     def from_wire(cls, wire) -> RequestOutput:
-        if not isinstance(wire, list) or len(wire) != 6:
-            raise FrameError("request output must be a 6-element array")
-        request_id, tokens, finish_reason, num_cached, logprobs, queue_time = wire
+        if not isinstance(wire, list) or len(wire) != 7:
+            raise FrameError("request output must be a 7-element array")
+        request_id, tokens, finish_reason, num_cached, logprobs, queue_time, embedding = wire
         _expect(request_id, str, "request_id")
         _expect(finish_reason, str | None, "finish_reason")
         _expect(num_cached, int, "num_cached_tokens")
         _expect(logprobs, list | None, "logprobs")
         if queue_time is not None:
             _expect(queue_time, float | int, "queue_time_s")
+        _expect(embedding, bytes | None, "embedding")
+        if embedding is not None and len(embedding) % 4:
+            raise FrameError("embedding bytes are not float32 values")
         return cls(request_id, unpack_token_ids(tokens), finish_reason, num_cached, logprobs,
-                   None if queue_time is None else float(queue_time))
+                   None if queue_time is None else float(queue_time), embedding)
 
 
 @dataclass(slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+POOLING_TYPES = (None, "last", "mean")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -23,6 +25,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; None: no logprobs
     grammars: list[str] = field(default_factory=list)  # llguidance grammars the output must
     # match, every one of them (structured outputs; a JSON output adds its number bounds)
+    # An embedding request (/v1/embeddings): its prompt's final hidden states pooled, the
+    # last token's ("last") or their mean ("mean"), L2-normalized; None: a generation.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if not isinstance(self.grammars, list) or not all(
                 isinstance(grammar, str) for grammar in self.grammars):
             raise ValueError("grammars must be a list of strings")

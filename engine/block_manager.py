@@ -114,8 +114,8 @@ class BlockManager:
         its window before the prefix's end), leaving at least the request's last token to
         compute (its logits are needed)."""
         no_hit = CachedPrefix(0, [[] for _ in self.groups])
-        if not self.enable_prefix_caching:
-            return no_hit
+        if not self.enable_prefix_caching or request.sampling.pooling == "mean":
+            return no_hit  # a mean pools every prompt token's state: none may be skipped
         hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
         count = len(hashes)
         for cached, group in zip(self.cached, self.groups, strict=True):

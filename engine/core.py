@@ -38,6 +38,7 @@ from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.kv_cache_groups import KVCacheLayout
 from engine.platform.cpu import choose_dtype
 from engine.platform.machine import Machine
+from engine.pooling.pooler import Pooler, PoolSpan
 from engine.quantization.registry import quantization_summary
 from engine.request import Request
 from engine.sampling.grammar import GrammarCompiler
@@ -121,6 +122,7 @@ class EngineCore:
                                    config.max_num_seqs)
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, self.max_model_len, self.draft_model)
+        self.pooler = Pooler()
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.grammar_waitlist = GrammarWaitlist(self.grammars, config.grammar_compile_timeout)
         self.step_threads = torch.get_num_threads()
@@ -311,13 +313,16 @@ class EngineCore:
         tokens: list[list[int]] = []
         logprobs: list = []
         if not scheduled.is_empty:
-            sampling_chunks, logits = self._execute(scheduled.chunks)
+            sampling_chunks, logits, pooled = self._execute(scheduled.chunks)
+            self.pooler.add(pooled)
             requests = [chunk.request for chunk in sampling_chunks]
             drafts = [chunk.draft_token_ids for chunk in sampling_chunks]
             if requests:  # a step of prefill chunks only samples nothing
                 result = self.sampler.sample(logits, drafted_rows(requests, drafts),
                                              self.eos_token_ids)
                 tokens, logprobs = split_samples(result.token_ids, result.logprobs, drafts)
+        embeddings = {r.request_id: self.pooler.embedding(r) for r in requests
+                      if r.sampling.pooling is not None}  # whose prompt is now computed
         num_prompt_tokens = sum(chunk.num_known_tokens for chunk in scheduled.chunks
                                 if not chunk.is_decode)
         finished = self.scheduler.update(scheduled, dict(zip(
@@ -326,7 +331,8 @@ class EngineCore:
         outputs = [
             RequestOutput(r.request_id, new_tokens, r.finish_reason, r.num_cached_tokens,
                           None if token_logprobs is None else token_logprobs[:len(new_tokens)],
-                          r.queue_time_s if r.num_output_tokens == len(new_tokens) else None)
+                          r.queue_time_s if r.num_output_tokens == len(new_tokens) else None,
+                          embeddings.get(r.request_id))
             for r, new_tokens, token_logprobs in zip(requests, tokens, logprobs, strict=True)
         ]
         num_generated = sum(map(len, tokens))
@@ -347,11 +353,12 @@ class EngineCore:
             self._forget(request)
 
     def _forget(self, request: Request) -> None:
+        self.pooler.forget(request.request_id)
         if self.speculator is not None:
             self.speculator.finished(request)
 
     def _execute(self, chunks: list[ScheduledChunk],
-                 ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+                 ) -> tuple[list[ScheduledChunk], torch.Tensor, list[PoolSpan]]:
         samplers = [chunk.request for chunk in chunks if chunk.completes_sequence]
         try:
             return self.runner.execute(chunks, not self.sampler.takes_raw_logits(samplers))

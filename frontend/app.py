@@ -20,6 +20,8 @@ from frontend.engine_pool import EnginePool
 from frontend.engine_sentinel import watch_engine
 from frontend.errors import INVALID_REQUEST, APIError, internal_error
 from frontend.openai_api import create_chat_completion, create_completion
+from frontend.response_store import ResponseStore
+from frontend.responses_api import STORE, create_response, delete_response, get_response
 from frontend.router import Router
 from frontend.state import STATE, FrontendSettings, ServerState
 from frontend.tokenization import TokenizerService
@@ -39,10 +41,14 @@ def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
     middlewares += [state.drain.middleware(), body_limit_middleware(settings.max_body_bytes)]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[STATE] = state
+    app[STORE] = ResponseStore()
     app.on_startup.append(_connect_engine)
     app.on_cleanup.append(_disconnect_engine)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_post("/v1/messages", create_message)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)

@@ -19,6 +19,7 @@ from engine.layers.batch_invariant import MIN_ROWS
 from engine.layers.pinned_attributes import pin_attributes
 from engine.platform.host_copy import int_tensor
 from engine.platform.huge_pages import populate, zeros_on_huge_pages
+from engine.pooling.pooler import PoolSpan, pool_rows
 from engine.scheduler import ScheduledChunk
 
 
@@ -53,6 +54,7 @@ class StepInputs:
     sampling_chunks: list[ScheduledChunk] = field(default_factory=list)
     has_prompt_rows: bool = False  # a chunk computes more than one token of its request's own
     drafted: list[int] = field(default_factory=list)  # requests (in step order) with drafts
+    pooling: list[PoolSpan] = field(default_factory=list)  # embedding requests' rows (rank 0)
 
     @classmethod
     def gather(cls, chunks: list[ScheduledChunk], block_size: int,
@@ -78,6 +80,10 @@ class StepInputs:
             inputs.has_prompt_rows |= chunk.num_known_tokens > 1
             if chunk.draft_token_ids:
                 inputs.drafted.append(len(inputs.query_lens) - 1)
+            if request.sampling.pooling is not None:
+                rows = len(inputs.token_ids)
+                inputs.pooling.append(PoolSpan(request.request_id, request.sampling.pooling,
+                                               rows - chunk.num_tokens, rows, start))
             if chunk.completes_sequence:
                 rows = len(inputs.token_ids)
                 inputs.sample_rows.extend(range(rows - 1 - len(chunk.draft_token_ids), rows))
@@ -181,21 +187,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], float32_logits: bool = True,
-                ) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Runs the step; returns the chunks that sample a token and their float32 logits
-        (`float32_logits=False`: in the model's dtype where the model leaves them so)."""
+                ) -> tuple[list[ScheduledChunk], torch.Tensor, list[PoolSpan]]:
+        """Runs the step; returns the chunks that sample a token, their float32 logits
+        (`float32_logits=False`: in the model's dtype where the model leaves them so), and
+        the embedding requests' pooled rows."""
         inputs = StepInputs.gather(chunks, self.block_size, self.layout.num_groups)
         if self.tensor_parallel:
             broadcast_step(inputs.pack())
-        return inputs.sampling_chunks, self.run(inputs, float32_logits)
+        return inputs.sampling_chunks, self.run(inputs, float32_logits), inputs.pooling
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, float32_logits: bool = True) -> torch.Tensor:
         """The step's forward; float32 logits of its sample rows (in the runner's buffer:
         read them before the next step)."""
         graphs = self.graphs
-        if graphs is not None and inputs.is_decode_only and graphs.serves(
-                len(inputs.token_ids), max(map(len, inputs.block_tables[0]), default=0)):
+        if graphs is not None and inputs.is_decode_only and not inputs.pooling \
+                and graphs.serves(len(inputs.token_ids),
+                                  max(map(len, inputs.block_tables[0]), default=0)):
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mappings,
                                 inputs.seq_lens, inputs.block_tables)
             return self._logits(inputs, hidden, float32_logits)
@@ -217,6 +225,8 @@ class ModelRunner:
         with forward_context(metadata, self.attention, pad_products=pad):
             hidden = self.forward(int_tensor(token_ids, self.device),
                                   int_tensor(positions, self.device), self.kv_caches)
+            for span in inputs.pooling:
+                pool_rows(span, hidden, self.model.model.norm)
             return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
