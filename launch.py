@@ -227,6 +227,7 @@ class Launcher:
                    "--max-body-bytes", str(self.args.max_body_bytes),
                    "--tool-call-parser", self.args.tool_call_parser,
                    "--routing-policy", self.args.routing_policy,
+                   "--pooling-type", self.args.pooling_type,
                    *(["--chat-template", self.args.chat_template]
                      if self.args.chat_template else [])]
         # The key travels in the environment: a command line is visible to every local user.

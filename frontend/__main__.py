@@ -124,6 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
         routing_policy=args.routing_policy,
+        pooling_type=args.pooling_type,
     )
     app = create_app(settings, tokenizer)
     runner = web.AppRunner(

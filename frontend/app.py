@@ -15,6 +15,7 @@ from common.sockets import is_tcp
 from frontend.anthropic_api import count_tokens, create_message
 from frontend.auth import api_key_middleware
 from frontend.body_limit import body_limit_middleware
+from frontend.embeddings_api import create_embedding
 from frontend.engine_client import EngineClient
 from frontend.engine_pool import EnginePool
 from frontend.engine_sentinel import watch_engine
@@ -46,6 +47,7 @@ def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
     app.on_cleanup.append(_disconnect_engine)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

@@ -42,4 +42,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
                         help="how a request picks one of several engines: prefix affinity "
                              "within a load bound (cache_aware), least loaded, round robin")
+    parser.add_argument("--pooling-type", default="last", choices=("last", "mean"),
+                        type=str.lower,
+                        help="how /v1/embeddings pools a prompt's final hidden states: the "
+                             "last token's (vLLM's default for decoder models) or their mean")
     add_chat_args(parser)

@@ -77,6 +77,7 @@ class Generation:
         self._wants_logprobs = sampling.logprobs is not None
         self._text_length = 0  # characters detokenized so far
         self.usage = Usage(prompt_tokens=len(request.prompt_token_ids))
+        self.embedding: bytes | None = None  # an embedding request's vector, once it came
         self._outputs: RequestStream | None = None
 
     @property
@@ -109,6 +110,8 @@ class Generation:
         async for output in outputs:
             self._timer.tokens(len(output.new_token_ids), output.queue_time_s)
             self.usage.cached_tokens = output.num_cached_tokens
+            if output.embedding is not None:
+                self.embedding = output.embedding
             for single in one_token_each(output):
                 delta = self._delta(single)
                 if delta is not None:

@@ -34,6 +34,7 @@ class FrontendSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tool_call_parser: str = "hermes"  # how tool calls are read out of replies
     routing_policy: str = "cache_aware"  # frontend.router, with several engines
+    pooling_type: str = "last"  # how /v1/embeddings pools a prompt's states (engine.pooling)
 
 
 @dataclass(slots=True)

@@ -28,6 +28,9 @@ WEATHER = {
 TOOLS = [{"name": "get_weather", "description": "The weather in a city now.",
           "input_schema": WEATHER}]
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Recent SDKs dropped the sampling keywords; the API (and Loom) still take them in the body.
+GREEDY = {"extra_body": {"temperature": 0}}
+ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}
 
 pytestmark = pytest.mark.e2e
 
@@ -51,12 +54,12 @@ def text_of(message: anthropic.types.Message) -> str:
 def test_a_message_is_the_chat_completion_of_the_same_conversation(
         client: anthropic.Anthropic, server: LaunchedServer) -> None:
     message = client.messages.create(model=MODEL, system=SYSTEM, messages=ASK, max_tokens=40,
-                                     temperature=0)
+                                     **GREEDY)
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_") and message.model == MODEL
     assert message.stop_reason in ("end_turn", "max_tokens")
     chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY).chat.completions
-    completion = chat.create(model=MODEL, max_tokens=40, temperature=0,
+    completion = chat.create(model=MODEL, max_tokens=40, **GREEDY,
                              messages=[{"role": "system", "content": SYSTEM}, *ASK])
     assert text_of(message) == completion.choices[0].message.content
     assert message.usage.input_tokens == completion.usage.prompt_tokens
@@ -66,9 +69,9 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(
 
 
 def test_a_streamed_message_reassembles_to_the_whole_one(client: anthropic.Anthropic) -> None:
-    whole = client.messages.create(model=MODEL, messages=ASK, max_tokens=30, temperature=0)
+    whole = client.messages.create(model=MODEL, messages=ASK, max_tokens=30, **GREEDY)
     with client.messages.stream(model=MODEL, messages=ASK, max_tokens=30,
-                                temperature=0) as stream:
+                                **GREEDY) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
@@ -82,18 +85,18 @@ def test_a_streamed_message_reassembles_to_the_whole_one(client: anthropic.Anthr
 def test_a_stop_sequence_ends_the_text_before_it_and_is_named(
         client: anthropic.Anthropic) -> None:
     whole = text_of(client.messages.create(model=MODEL, messages=ASK, max_tokens=40,
-                                           temperature=0))
+                                           **GREEDY))
     words = whole.split()
     assert len(words) >= 3, whole
     stop = " " + words[2]
     for stream in (False, True):
         if stream:
             with client.messages.stream(model=MODEL, messages=ASK, max_tokens=40,
-                                        temperature=0, stop_sequences=[stop]) as streamed:
+                                        **GREEDY, stop_sequences=[stop]) as streamed:
                 message = streamed.get_final_message()
         else:
             message = client.messages.create(model=MODEL, messages=ASK, max_tokens=40,
-                                             temperature=0, stop_sequences=[stop])
+                                             **GREEDY, stop_sequences=[stop])
         assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
         assert text_of(message) == whole[:whole.index(stop)]
 
@@ -102,7 +105,7 @@ def test_a_tool_loop(client: anthropic.Anthropic) -> None:
     """A forced call with valid input, its result sent back, then an answer in text."""
     first = client.messages.create(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS,
                                    tool_choice={"type": "tool", "name": "get_weather"},
-                                   max_tokens=80, temperature=0)
+                                   max_tokens=80, **GREEDY)
     assert first.stop_reason == "tool_use"
     (call,) = [block for block in first.content if block.type == "tool_use"]
     assert call.name == "get_weather" and call.id.startswith("toolu_")
@@ -114,7 +117,7 @@ def test_a_tool_loop(client: anthropic.Anthropic) -> None:
                                                "content": "Sunny, 21 degrees."}]}]
     answer = client.messages.create(model=MODEL, messages=follow_up, tools=TOOLS,
                                     tool_choice={"type": "none"}, max_tokens=40,
-                                    temperature=0)
+                                    **GREEDY)
     assert answer.stop_reason in ("end_turn", "max_tokens")
     assert text_of(answer) and not [b for b in answer.content if b.type == "tool_use"]
     assert answer.usage.input_tokens > first.usage.input_tokens
@@ -123,11 +126,11 @@ def test_a_tool_loop(client: anthropic.Anthropic) -> None:
 def test_a_streamed_tool_call_sends_its_input_as_json_deltas(
         client: anthropic.Anthropic) -> None:
     whole = client.messages.create(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS,
-                                   tool_choice={"type": "any"}, max_tokens=80, temperature=0)
+                                   tool_choice=ONE_CALL, max_tokens=80, **GREEDY)
     fragments = []
     with client.messages.stream(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS,
-                                tool_choice={"type": "any"}, max_tokens=80,
-                                temperature=0) as stream:
+                                tool_choice=ONE_CALL, max_tokens=80,
+                                **GREEDY) as stream:
         for event in stream:
             if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
                 fragments.append(event.delta.partial_json)
