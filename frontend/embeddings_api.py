@@ -19,7 +19,8 @@ import numpy as np
 from aiohttp import web
 
 from frontend.body_reader import BodyReader, parse_json_object
-from frontend.errors import invalid_param
+from frontend.context_limit import ContextLimit
+from frontend.errors import APIError, invalid_param
 from frontend.openai_api import collect_all, engine_failure, prepare_generations
 from frontend.prompt_input import parse_prompts
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
@@ -45,7 +46,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     if body.get("dimensions") is not None:
         raise invalid_param("dimensions", f"Model {state.model_name} does not support "
                                           "'dimensions' (matryoshka) embeddings.")
-    inputs = parse_prompts(body.get("input"), info.vocab_size)
+    inputs = parse_prompts(body.get("input"), info.vocab_size, "input")
     if len(inputs) > MAX_INPUTS:
         raise invalid_param("input", f"At most {MAX_INPUTS} inputs per request, got "
                                      f"{len(inputs)}.")
@@ -53,6 +54,11 @@ async def create_embedding(request: web.Request) -> web.Response:
         raise invalid_param("input", "'input' must not contain empty strings.")
     prompts = [await state.tokenizer.encode_prompt(item) if isinstance(item, str) else item
                for item in inputs]
+    most = ContextLimit.of(info).tokens - 1  # the pooled prompt's one sampled token
+    for index, prompt in enumerate(prompts):
+        if len(prompt) > most:
+            raise APIError(f"Input {index} has {len(prompt)} tokens; this model embeds at "
+                           f"most {most}.", param="input", code="context_length_exceeded")
     options = GenerationOptions(model=model, max_tokens=1, sampling_fields={
         "temperature": 0.0, "pooling": state.settings.pooling_type})
     generations = prepare_generations(state, prompts, options, f"embd-{uuid.uuid4().hex}",

@@ -21,6 +21,8 @@ MAX_BODY_BYTES = 64 * 1024
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+EMBEDDINGS = "/v1/embeddings"
 USER = [{"role": "user", "content": "Hi"}]
 
 
@@ -42,6 +44,14 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 def completion(**fields: Any) -> dict[str, Any]:
     return {"model": TINY_MODEL_NAME, "prompt": "Hi", "max_tokens": 2} | fields
+
+
+def response(**fields: Any) -> dict[str, Any]:
+    return {"model": TINY_MODEL_NAME, "input": "Hi", "max_output_tokens": 2} | fields
+
+
+def embedding(**fields: Any) -> dict[str, Any]:
+    return {"model": TINY_MODEL_NAME, "input": "Hi"} | fields
 
 
 CASES = [
@@ -131,6 +141,74 @@ CASES = [
     Case("completion logprobs too many", COMPLETIONS, completion(logprobs=50),
          param="logprobs"),
     Case("top_logprobs without logprobs", CHAT, chat(top_logprobs=3), param="top_logprobs"),
+    # /v1/responses
+    Case("responses input missing", RESPONSES, {"model": TINY_MODEL_NAME}, param="input"),
+    Case("responses input a number", RESPONSES, response(input=5), param="input"),
+    Case("responses input empty", RESPONSES, response(input=[]), param="input"),
+    Case("responses item not an object", RESPONSES, response(input=["Hi"]),
+         param="input[0]"),
+    Case("responses unknown role", RESPONSES, response(input=[{"role": "wizard",
+                                                               "content": "Hi"}]),
+         param="input[0].role"),
+    Case("responses image part", RESPONSES, response(input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://127.0.0.1/x.png"}]}]),
+         param="input[0].content[0]"),
+    Case("responses unknown item type", RESPONSES, response(input=[{"type": "web_search_call"}]),
+         param="input[0].type"),
+    Case("function_call without call_id", RESPONSES, response(input=[
+        {"type": "function_call", "name": "f", "arguments": "{}"}]),
+         param="input[0].call_id"),
+    Case("function_call_output without output", RESPONSES, response(input=[
+        {"type": "function_call_output", "call_id": "c1"}]), param="input[0].output"),
+    Case("responses instructions a list", RESPONSES, response(instructions=["be brief"]),
+         param="instructions"),
+    Case("max_output_tokens zero", RESPONSES, response(max_output_tokens=0),
+         param="max_output_tokens"),
+    Case("max_output_tokens past the context", RESPONSES, response(max_output_tokens=10**9),
+         code="context_length_exceeded"),
+    Case("responses temperature negative", RESPONSES, response(temperature=-1),
+         param="temperature"),
+    Case("responses web search tool", RESPONSES, response(tools=[{"type": "web_search"}]),
+         param="tools[0].type"),
+    Case("responses tool_choice naming no tool", RESPONSES, response(
+        tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        tool_choice={"type": "function", "name": "g"}), param="tool_choice"),
+    Case("responses text.format a string", RESPONSES, response(text={"format": "json"}),
+         param="text"),
+    Case("responses json_schema without a name", RESPONSES, response(
+        text={"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+         param="response_format.json_schema.name"),
+    Case("responses store a string", RESPONSES, response(store="yes"), param="store"),
+    Case("responses background", RESPONSES, response(background=True), param="background"),
+    Case("unknown previous_response_id", RESPONSES,
+         response(previous_response_id="resp_nope"), 404),
+    Case("GET an unknown response", RESPONSES + "/resp_nope", None, 404, method="GET"),
+    Case("DELETE an unknown response", RESPONSES + "/resp_nope", None, 404, method="DELETE"),
+    # /v1/embeddings
+    Case("embeddings input missing", EMBEDDINGS, {"model": TINY_MODEL_NAME}, param="input"),
+    Case("embeddings input a number", EMBEDDINGS, embedding(input=5), param="input"),
+    Case("embeddings input empty", EMBEDDINGS, embedding(input=[]), param="input"),
+    Case("embeddings input an empty string", EMBEDDINGS, embedding(input=["a", ""]),
+         param="input"),
+    Case("embeddings mixed input", EMBEDDINGS, embedding(input=["a", 5]), param="input"),
+    Case("embeddings token id outside the vocabulary", EMBEDDINGS,
+         embedding(input=[1, 10**9]), param="input"),
+    Case("embeddings empty token list", EMBEDDINGS, embedding(input=[[]]), param="input"),
+    Case("embeddings input over the context", EMBEDDINGS, embedding(input=" hello" * 3000),
+         param="input", code="context_length_exceeded"),
+    Case("embeddings lone surrogate", EMBEDDINGS, embedding(input="a\udc80b"), param="input"),
+    Case("embeddings encoding_format unknown", EMBEDDINGS,
+         embedding(encoding_format="int8"), param="encoding_format"),
+    Case("embeddings encoding_format a number", EMBEDDINGS, embedding(encoding_format=3),
+         param="encoding_format"),
+    Case("embeddings dimensions", EMBEDDINGS, embedding(dimensions=8), param="dimensions"),
+    Case("embeddings too many inputs", EMBEDDINGS, embedding(input=["a"] * 2049),
+         param="input"),
+    Case("embeddings unknown model", EMBEDDINGS, embedding(model="text-embedding-3-small"), 404,
+         param="model", code="model_not_found"),
+    Case("embeddings model a number", EMBEDDINGS, embedding(model=3), param="model"),
+    Case("embeddings wrong key", EMBEDDINGS, embedding(), 401, code="invalid_api_key",
+         headers={"Authorization": "Bearer sk-wrong"}),
     # routing
     Case("unknown model", CHAT, chat(model="gpt-17"), 404, param="model",
          code="model_not_found"),
@@ -170,6 +248,9 @@ def assert_serves_normally(server: LaunchedServer) -> None:
 
 def test_the_catalogue_is_large_enough() -> None:
     assert len(CASES) >= 30
+    for path in (RESPONSES, EMBEDDINGS):
+        assert sum(case.path == path for case in CASES) >= 15
+    assert len(ANTHROPIC_CASES) >= 15
     assert len({case.name for case in CASES}) == len(CASES)
 
 

@@ -67,7 +67,8 @@ def test_a_streamed_response_sends_semantic_events_and_reassembles(
     with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=30,
                                  temperature=0, store=False) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+    final = events[-1].response  # get_final_response() wants response.completed only
+    assert final.status == whole.status
     kinds = [event.type for event in events]
     assert kinds[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
@@ -150,8 +151,9 @@ def test_an_agent_of_the_agents_sdk_calls_its_tool(server: LaunchedServer) -> No
                                   max_retries=0))
     agent = agents.Agent(name="weather", instructions=INSTRUCTIONS, tools=[get_weather],
                          model=model, tool_use_behavior="stop_on_first_tool",
-                         model_settings=agents.ModelSettings(tool_choice="required",
-                                                             temperature=0))
+                         model_settings=agents.ModelSettings(
+                             tool_choice="required", parallel_tool_calls=False, temperature=0,
+                             max_tokens=100))
     result = agents.Runner.run_sync(agent, ASK_WEATHER, max_turns=2)
     assert len(calls) == 1
     assert result.final_output == f"Sunny in {calls[0][0]}."
