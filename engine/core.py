@@ -321,8 +321,7 @@ class EngineCore:
                 result = self.sampler.sample(logits, drafted_rows(requests, drafts),
                                              self.eos_token_ids)
                 tokens, logprobs = split_samples(result.token_ids, result.logprobs, drafts)
-        embeddings = {r.request_id: self.pooler.embedding(r) for r in requests
-                      if r.sampling.pooling is not None}  # whose prompt is now computed
+        embeddings = self.pooler.embeddings(requests)  # before update forgets them
         num_prompt_tokens = sum(chunk.num_known_tokens for chunk in scheduled.chunks
                                 if not chunk.is_decode)
         finished = self.scheduler.update(scheduled, dict(zip(
@@ -346,9 +345,8 @@ class EngineCore:
     def _after_verification(self, requests: list[Request], drafts: list[list[int]],
                             tokens: list[list[int]], finished: list[Request]) -> None:
         if self.speculator is not None:
-            for request, request_drafts, new_tokens in zip(requests, drafts, tokens,
-                                                            strict=True):
-                self.speculator.record(request, request_drafts, new_tokens)
+            for request, drafted, new_tokens in zip(requests, drafts, tokens, strict=True):
+                self.speculator.record(request, drafted, new_tokens)
         for request in finished:
             self._forget(request)
 
@@ -373,9 +371,8 @@ class EngineCore:
         self.totals.num_generation_tokens += num_generated
         if self.record_traces:
             self.traces.append(trace)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("step %d ran %s waited %s preempted %s finished %s", trace.step,
-                         trace.scheduled, trace.waited, trace.preempted, trace.finished)
+        logger.debug("step %d ran %s waited %s preempted %s finished %s", trace.step,
+                     trace.scheduled, trace.waited, trace.preempted, trace.finished)
 
     def idle_outputs(self) -> StepOutputs:
         """A frame with no tokens whose stats show the engine at rest (after aborts, say)."""

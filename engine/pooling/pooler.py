@@ -46,6 +46,12 @@ class Pooler:
             else:
                 self.sums[span.request_id] = seen + span.vector
 
+    def embeddings(self, requests: list[Request]) -> dict[str, bytes]:
+        """The vectors of the pooling requests among `requests` (those whose prompt this
+        step finished computing)."""
+        return {request.request_id: self.embedding(request) for request in requests
+                if request.sampling.pooling is not None}
+
     def embedding(self, request: Request) -> bytes:
         """The finished prompt's vector, normalized, as float32 bytes (and forgotten)."""
         vector = self.sums.pop(request.request_id)
