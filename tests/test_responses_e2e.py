@@ -117,6 +117,24 @@ def test_a_two_turn_function_call_loop(client: openai.OpenAI, continued: bool) -
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
+def test_a_streamed_function_call_sends_its_arguments_as_deltas(client: openai.OpenAI) -> None:
+    forced = {"type": "function", "name": "get_weather"}
+    whole = client.responses.create(model=MODEL, input=ASK_WEATHER, tools=TOOLS,
+                                    tool_choice=forced, max_output_tokens=80, temperature=0)
+    with client.responses.stream(model=MODEL, input=ASK_WEATHER, tools=TOOLS,
+                                 tool_choice=forced, max_output_tokens=80,
+                                 temperature=0) as stream:
+        events = list(stream)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [item.type for item in added] == ["function_call"]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 1 and "".join(deltas) == done.arguments
+    (call,) = [item for item in whole.output if item.type == "function_call"]
+    assert json.loads(done.arguments) == json.loads(call.arguments)
+    assert events[-1].type == "response.completed"
+
+
 def test_stored_responses_are_read_and_deleted_and_unknown_ids_are_404(
         client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 
 import pytest
 
@@ -14,7 +15,12 @@ from engine.request import Request, RequestStatus
 from engine.speculative.cost import StepCost
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Acceptance, Speculator
-from engine.speculative.suffix import SuffixProposer
+from engine.speculative.suffix import (
+    SuffixProposer,
+    context_hashes,
+    counted_lengths,
+    window_hashes,
+)
 from engine.speculative.verify import DraftedRow, accepted_tokens, drafted_rows, split_samples
 from tests.scheduler_helpers import make_request, make_scheduler
 
@@ -108,6 +114,19 @@ def test_suffix_drafts_follow_frequent_continuations_and_learn_from_finished_req
     proposer.finished(second)
     assert proposer.propose(decoding("d", [20], 1), 4) == []
     assert proposer.propose(decoding("e", [30], 1), 4) == [31]
+
+
+def test_every_positions_context_hashes_at_once_equal_the_lookups_one_by_one():
+    """The counts (numpy, all positions) and the lookups (one context) key alike; long
+    sequences wrap the sums modulo 2^64 many times over."""
+    rng = random.Random(5)
+    tokens = [rng.randrange(200_000) for _ in range(700)]
+    lengths = counted_lengths(24)
+    for length in lengths:
+        at_once = window_hashes(tokens, 300 - length, 650, length).tolist()
+        one_by_one = [dict(context_hashes(tokens, end, 24, lengths))[length]
+                      for end in range(300, 651)]
+        assert at_once == one_by_one
 
 
 def test_suffix_drafts_stop_where_the_context_is_too_uncertain():

@@ -5,9 +5,11 @@ themselves across requests). The longest context seen (up to `max_depth` tokens)
 the next token; drafting goes on while the product of those frequencies stays at least
 `min_token_prob`, at most `max_spec_factor` tokens per matched context token.
 
-Contexts are keyed by a polynomial hash: a collision can only cost a rejected draft. Only
-some context lengths are counted (1-4, 6, 8, 12, 16, 24, ...: `counted_lengths`): the
-longest match is found within one of them, at a third of the dict work of every length."""
+Contexts are keyed by a polynomial hash modulo 2^64: a collision can only cost a rejected
+draft. Only some context lengths are counted (1-4, 6, 9, 13, 19, 24: `counted_lengths`): the
+longest match is found within one of them, at a third of the dict work of every length. The
+hashes of every position's contexts come from one prefix sum (numpy), so counting a token
+is a few dict updates."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.request import Request
 
-_MODULUS = (1 << 61) - 1
+_MASK = (1 << 64) - 1
 _BASE = 1_000_003
+_INVERSE = pow(_BASE, -1, 1 << 64)
 
 
 def counted_lengths(max_depth: int) -> frozenset[int]:
@@ -33,14 +38,46 @@ def counted_lengths(max_depth: int) -> frozenset[int]:
 def context_hashes(tokens: list[int], end: int, max_depth: int,
                    lengths: frozenset[int]) -> list[tuple[int, int]]:
     """(n, hash of tokens[end - n:end]) for the counted lengths n up to max_depth (as far
-    as `end` allows), shortest first."""
+    as `end` allows), shortest first. The hash of a window is the sum of (token + 1) *
+    BASE^k mod 2^64, k counting back from its last token (0) to its first."""
     hashes = []
-    value = 0
+    value, power = 0, 1
     for length, position in enumerate(range(end - 1, max(end - max_depth, 0) - 1, -1), 1):
-        value = (value * _BASE + tokens[position] + 1) % _MODULUS
+        value = (value + (tokens[position] + 1) * power) & _MASK
+        power = (power * _BASE) & _MASK
         if length in lengths:
             hashes.append((length, value))
     return hashes
+
+
+@dataclass(slots=True)
+class _Powers:
+    """BASE^k and BASE^-k mod 2^64 as uint64 arrays, grown on demand."""
+
+    up: np.ndarray = field(default_factory=lambda: np.ones(1, np.uint64))
+    down: np.ndarray = field(default_factory=lambda: np.ones(1, np.uint64))
+
+    def upto(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.up) < count:
+            size = max(count, 2 * len(self.up))
+            self.up, self.down = np.ones(size, np.uint64), np.ones(size, np.uint64)
+            np.cumprod(np.full(size - 1, _BASE, np.uint64), out=self.up[1:])
+            np.cumprod(np.full(size - 1, _INVERSE, np.uint64), out=self.down[1:])
+        return self.up[:count], self.down[:count]
+
+
+_POWERS = _Powers()
+
+
+def window_hashes(tokens: list[int], first: int, stop: int, length: int) -> np.ndarray:
+    """context_hashes' value of tokens[p - length:p] for every p in [first + length, stop],
+    at once: the windows' sums from one prefix sum of (token + 1) * BASE^-i."""
+    values = np.asarray(tokens[first:stop], dtype=np.uint64) + np.uint64(1)
+    up, down = _POWERS.upto(len(values) + 1)
+    prefix = np.zeros(len(values) + 1, np.uint64)
+    np.cumsum(values * down[:len(values)], out=prefix[1:])
+    ends = np.arange(length, len(values) + 1)
+    return up[ends - 1] * (prefix[ends] - prefix[ends - length])
 
 
 @dataclass(slots=True)
@@ -56,17 +93,24 @@ class FollowCounts:
 
     def add(self, tokens: list[int], start: int, stop: int, sign: int = 1) -> None:
         """Counts the tokens at positions start..stop-1 after their contexts."""
-        for position in range(max(start, 1), stop):
-            token = tokens[position]
-            for _, key in context_hashes(tokens, position, self.max_depth, self.lengths):
-                follow = self.counts.setdefault(key, {})
+        start = max(start, 1)
+        counts = self.counts
+        for length in self.lengths:
+            begin = max(start, length)  # the first position with a whole context
+            if begin >= stop:
+                continue
+            keys = window_hashes(tokens, begin - length, stop - 1, length).tolist()
+            for key, token in zip(keys, tokens[begin:stop], strict=True):
+                follow = counts.get(key)
+                if follow is None:
+                    follow = counts[key] = {}
                 count = follow.get(token, 0) + sign
                 if count > 0:
                     follow[token] = count
                 else:
                     follow.pop(token, None)
                     if not follow:
-                        del self.counts[key]
+                        del counts[key]
 
 
 @dataclass(slots=True)
