@@ -63,10 +63,10 @@ def capture_logits(core: EngineCore) -> dict[str, list[torch.Tensor]]:
     execute = core._execute
 
     def recording(chunks):
-        sampling, logits = execute(chunks)
+        sampling, logits, pooled = execute(chunks)
         for chunk, row in zip(sampling, logits, strict=True):
             captured[chunk.request.request_id].append(row.clone())
-        return sampling, logits
+        return sampling, logits, pooled
 
     core._execute = recording
     return captured
