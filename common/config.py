@@ -34,6 +34,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first, FCFS within a level)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # The prefix cache's disk tier (engine.kv_offload): where, and how many bytes (0: off)
+    kv_offload_dir: str | None = None  # None: $LOOM_CACHE/kv
+    kv_offload_bytes: int = 0
     # One block table for all layers even where sliding-window and global layers mix: every
     # layer keeps every block (engine.kv_cache_groups)
     disable_hybrid_kv_cache_manager: bool = False
@@ -71,6 +74,8 @@ class EngineConfig:
                              f"not {self.quantization!r}")
         if self.quantization_group_size < 1:
             raise ValueError("quantization_group_size must be positive")
+        if self.kv_offload_bytes < 0:
+            raise ValueError("kv_offload_bytes must not be negative")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be positive")
         if self.tensor_parallel_size < 1:
@@ -124,6 +129,8 @@ class EngineConfig:
             scheduling_policy=args.scheduling_policy,
             enable_chunked_prefill=not args.no_enable_chunked_prefill,
             enable_prefix_caching=not args.no_enable_prefix_caching,
+            kv_offload_dir=args.kv_offload_dir,
+            kv_offload_bytes=args.kv_offload_bytes,
             disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
             seed=args.seed,
             compile=args.compile,
@@ -214,6 +221,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(unauthenticated: a trusted network only)")
     engine.add_argument("--master-port", type=int, default=None,
                         help="its port (default: a free one, on one host only)")
+    engine.add_argument("--kv-offload-dir", default=None,
+                        help="the prefix cache's disk tier: cached KV blocks are written here "
+                             "and read back on a prefix hit, also after a restart (default "
+                             "$LOOM_CACHE/kv)")
+    engine.add_argument("--kv-offload-bytes", type=int, default=0,
+                        help="the disk tier's size in bytes, least recently used blocks out "
+                             "first (default 0: no disk tier)")
     engine.add_argument("--grammar-compile-timeout", type=float, default=5.0,
                         help="seconds a structured-output grammar may take to compile before "
                              "its request fails (default 5)")

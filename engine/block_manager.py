@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.kv_cache_groups import KVCacheGroup, blocks_for
 from engine.request import Request
@@ -51,6 +52,17 @@ class CachedPrefix:
     tables: list[list[int]]
 
 
+class BlockTier(Protocol):
+    """A lower tier of the prefix cache (engine.kv_offload): cached blocks are saved to it,
+    and a lookup promotes the blocks it holds back into free blocks of the pool."""
+
+    def save(self, block_id: int, block_hash: bytes) -> None: ...
+
+    def has(self, block_hash: bytes) -> bool: ...
+
+    def load(self, block_id: int, block_hash: bytes) -> bool: ...
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
@@ -69,6 +81,7 @@ class BlockManager:
     inflight: list[dict[bytes, int]] = field(init=False)  # per group: hashes being computed
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_integrity_violations: int = 0
+    tier: BlockTier | None = None  # one KV cache group only
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -123,10 +136,36 @@ class BlockManager:
                 count = next((i for i, h in enumerate(hashes[:count]) if h not in cached), count)
         while count > 0 and not self._windows_cached(hashes, count):
             count -= 1
+        if self.tier is not None:
+            count = self._promote(request, hashes, count)
         if count == 0:
             return no_hit
         return CachedPrefix(count, [self._hit_table(g, hashes, count)
                                     for g in range(len(self.groups))])
+
+    def _promote(self, request: Request, hashes: list[bytes], count: int) -> int:
+        """The tier's blocks that continue the pool's hit (`count` blocks) loaded into free
+        blocks (never one of the hit's own) and cached; returns the hit's new length."""
+        assert self.tier is not None
+        hit = {self.cached[0][h] for h in hashes[:count]}
+        parent = hashes[count - 1] if count else ROOT_HASH
+        while count < len(hashes) and self.tier.has(hashes[count]):
+            spare = next((b for b in self.free_queue if b not in hit), None)
+            if spare is None:
+                break
+            block = self._pop_free_block(spare)
+            self.free_queue[spare] = None  # free still, and the most recently used
+            if not self.tier.load(spare, hashes[count]):
+                self.free_queue.move_to_end(spare, last=False)
+                break
+            block.block_hash, block.parent_hash, block.group = hashes[count], parent, 0
+            start = count * self.block_size
+            block.token_ids = tuple(request.token_ids[start:start + self.block_size])
+            self.cached[0][block.block_hash] = spare
+            hit.add(spare)
+            parent = hashes[count]
+            count += 1
+        return count
 
     def _windows_cached(self, hashes: list[bytes], count: int) -> bool:
         for cached, group in zip(self.cached, self.groups, strict=True):
@@ -197,8 +236,12 @@ class BlockManager:
                 if index < len(hashes):
                     self.inflight[group].setdefault(hashes[index], block.block_id)
 
-    def _pop_free_block(self) -> Block:
-        block_id, _ = self.free_queue.popitem(last=False)
+    def _pop_free_block(self, block_id: int | None = None) -> Block:
+        """The front of the free queue (or `block_id`), its cached contents evicted."""
+        if block_id is None:
+            block_id, _ = self.free_queue.popitem(last=False)
+        else:
+            del self.free_queue[block_id]
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its cached contents
             cached = self.cached[block.group]
@@ -237,7 +280,9 @@ class BlockManager:
             block.block_hash = hashes[index]
             block.parent_hash = hashes[index - 1] if index else ROOT_HASH
             block.token_ids = tuple(request.token_ids[start:start + self.block_size])
-            self.cached[group].setdefault(block.block_hash, block.block_id)
+            if self.cached[group].setdefault(block.block_hash, block.block_id) == \
+                    block.block_id and self.tier is not None:
+                self.tier.save(block.block_id, block.block_hash)  # write-through
             if self.inflight[group].get(block.block_hash) == block.block_id:
                 del self.inflight[group][block.block_hash]
 

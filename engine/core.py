@@ -36,8 +36,9 @@ from engine.distributed.tensor_parallel import (
 from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder, default_recorder
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.kv_cache_groups import KVCacheLayout
+from engine.kv_offload.tier import attach_disk_tier
 from engine.platform.cpu import choose_dtype
-from engine.platform.machine import Machine
+from engine.platform.machine import Machine, rss_text
 from engine.pooling.pooler import Pooler, PoolSpan
 from engine.quantization.registry import quantization_summary
 from engine.request import Request
@@ -57,17 +58,6 @@ def choose_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _rss_text() -> str:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return f"{int(line.split()[1]) / 1024:.0f} MiB"
-    except OSError:
-        pass
-    return "unknown"
 
 
 @dataclass(slots=True)
@@ -94,7 +84,7 @@ class EngineCore:
                                 quantization=config.quantization,
                                 group_size=config.quantization_group_size)
         logger.info("weights: %.1f MiB (%s, %s); engine RSS %s", weight_bytes(self.model) / 2**20,
-                    self.dtype, quantization_summary(self.model), _rss_text())
+                    self.dtype, quantization_summary(self.model), rss_text())
         model_config = self.model.config
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
         limit = model_config.max_exact_len
@@ -115,6 +105,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = self._make_runner(num_blocks, self.recorder)
+        self.disk_tier = attach_disk_tier(config, self.block_manager, self.runner.kv_caches,
+                                          self.dtype)
         logger.info("%s", self.runner.kernels.describe())  # once: not for the graph probe
         self.sampler = Sampler(self.device, config.seed)
         if self.draft_model is not None:
@@ -169,6 +161,8 @@ class EngineCore:
             self.workers.check()
 
     def shutdown(self) -> None:
+        if self.disk_tier is not None:
+            self.disk_tier.close()  # the blocks still queued reach the disk
         if self.workers is not None:
             self.workers.stop()
             self.workers = None

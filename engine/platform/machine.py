@@ -88,3 +88,15 @@ def available_memory() -> int:
     if limit.isdigit():
         return min(available, max(int(limit) - used, 0)) if available else int(limit) - used
     return available
+
+
+def rss_text() -> str:
+    """This process's resident memory, for a log line."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return f"{int(line.split()[1]) / 1024:.0f} MiB"
+    except OSError:
+        pass
+    return "unknown"

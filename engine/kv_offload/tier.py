@@ -1,0 +1,93 @@
+"""The engine's side of the disk tier: a block's K and V in every layer as one payload.
+
+`save` copies a block the step has just computed and cached out of the cache tensors (a
+memcpy; the disk write happens on the store's thread); `load` copies a payload back into a
+free block. The block manager calls both (engine.block_manager: write-through on caching,
+promotion on a prefix lookup). Full-attention layers only: where sliding-window layers drop
+the blocks behind their window (Gemma 2 and 3, Mistral) the tier stays off, for now."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from common.config import EngineConfig
+from common.default_model import default_cache_dir
+from engine.block_manager import BlockManager
+from engine.kv_offload.disk_store import DiskKVStore
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def tier_key(model: str, dtype: torch.dtype, block_size: int, caches: list[KVCache]) -> str:
+    """Names what a payload means: the model, the dtype, and the caches' shapes."""
+    name = Path(model.rstrip("/")).name or "model"
+    shapes = [tuple(cache.shape[1:]) for layer in caches for cache in layer]
+    digest = hashlib.blake2b(repr((str(Path(model).resolve()), str(dtype), block_size,
+                                   shapes)).encode(), digest_size=8).hexdigest()
+    return f"{name}-{str(dtype).removeprefix('torch.')}-b{block_size}-{digest}"
+
+
+class DiskTier:
+    def __init__(self, store: DiskKVStore, caches: list[KVCache]) -> None:
+        self.store = store
+        self.caches = [cache for layer in caches for cache in layer]  # K, V of each layer
+        self.block_bytes = [cache[0].numel() * cache.element_size() for cache in self.caches]
+
+    def save(self, block_id: int, block_hash: bytes) -> None:
+        if block_hash in self.store:
+            return
+        payload = b"".join(cache[block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                           for cache in self.caches)
+        self.store.put(block_hash, payload)
+
+    def has(self, block_hash: bytes) -> bool:
+        return block_hash in self.store
+
+    def load(self, block_id: int, block_hash: bytes) -> bool:
+        """The block's K and V from disk into `block_id`; False (nothing written) if the
+        store has no whole copy of it."""
+        payload = self.store.get(block_hash)
+        if payload is None or len(payload) != sum(self.block_bytes):
+            return False
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for cache, size in zip(self.caches, self.block_bytes, strict=True):
+            target = cache[block_id]
+            piece = data[offset:offset + size].view(cache.dtype).view(target.shape)
+            target.copy_(piece)
+            offset += size
+        return True
+
+    def close(self) -> None:
+        self.store.flush()
+        self.store.close()
+
+
+def attach_disk_tier(config: EngineConfig, block_manager: BlockManager, caches: list[KVCache],
+                     dtype: torch.dtype) -> DiskTier | None:
+    """The disk tier under the block manager's pool, where the config asks for one and this
+    engine can keep it (one KV cache group, one tensor-parallel rank, prefix caching on)."""
+    if not config.kv_offload_bytes:
+        return None
+    why_not = ("prefix caching is off" if not block_manager.enable_prefix_caching else
+               "sliding-window layers drop blocks behind their window"
+               if any(group.window is not None for group in block_manager.groups) else
+               "tensor-parallel ranks each hold a share of the heads"
+               if config.tensor_parallel_size > 1 else None)
+    if why_not is not None:
+        logger.warning("KV disk tier off: %s", why_not)
+        return None
+    directory = Path(config.kv_offload_dir or default_cache_dir() / "kv")
+    key = tier_key(config.model, dtype, config.block_size, caches)
+    tier = DiskTier(DiskKVStore(directory, key, config.kv_offload_bytes), caches)
+    block_manager.tier = tier
+    logger.info("KV disk tier: %s, %d blocks (%.2f GiB of %.2f) from earlier runs",
+                tier.store.directory, len(tier.store), tier.store.num_bytes / 2**30,
+                config.kv_offload_bytes / 2**30)
+    return tier
