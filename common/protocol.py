@@ -204,6 +204,13 @@ class StepStats:
     prefix_cache_hits_total: int = 0
     kv_integrity_violations_total: int = 0  # from the check run whenever the engine idles
     bad_frames_total: int = 0  # frames the engine could not decode and dropped
+    # The prefix cache's disk tier (engine.kv_offload): prompt tokens it supplied, bytes and
+    # seconds of its reads and writes
+    prefix_cache_disk_hits_total: int = 0
+    kv_offload_read_bytes_total: int = 0
+    kv_offload_written_bytes_total: int = 0
+    kv_offload_read_seconds_total: float = 0.0
+    kv_offload_write_seconds_total: float = 0.0
     # Speculative decoding (engine.speculative): verifications with drafts, draft tokens,
     # accepted ones, and accepted ones by draft position.
     spec_decode_num_drafts_total: int = 0

@@ -67,6 +67,7 @@ class BlockTier(Protocol):
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
     hits: int = 0  # of which found in the cache
+    disk_hits: int = 0  # tokens the disk tier supplied (promoted into the pool first)
 
 
 @dataclass(slots=True)
@@ -162,6 +163,7 @@ class BlockManager:
             start = count * self.block_size
             block.token_ids = tuple(request.token_ids[start:start + self.block_size])
             self.cached[0][block.block_hash] = spare
+            self.stats.disk_hits += self.block_size
             hit.add(spare)
             parent = hashes[count]
             count += 1

@@ -384,6 +384,8 @@ class EngineCore:
             prefix_cache_queries_total=self.block_manager.stats.queries,
             prefix_cache_hits_total=self.block_manager.stats.hits,
             kv_integrity_violations_total=self.block_manager.num_integrity_violations,
+            prefix_cache_disk_hits_total=self.block_manager.stats.disk_hits,
+            **({} if self.disk_tier is None else self.disk_tier.as_stats()),
             **({} if self.speculator is None else self.speculator.totals.as_stats()),
         )
 

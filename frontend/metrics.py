@@ -83,6 +83,15 @@ class LoomMetrics:
         self.prefix_cache_hits = RunningTotal(
             counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         )
+        self.prefix_cache_disk_hits = RunningTotal(counter(
+            "prefix_cache_disk_hits_total", "Prompt tokens the prefix cache's disk tier "
+            "supplied (also counted in prefix_cache_hits_total)."))
+        self.kv_offload = {name: RunningTotal(counter(name, help_text)) for name, help_text in (
+            ("kv_offload_read_bytes_total", "Bytes of KV blocks read from the disk tier."),
+            ("kv_offload_written_bytes_total", "Bytes of KV blocks written to the disk tier."),
+            ("kv_offload_read_seconds_total", "Seconds spent reading the disk tier."),
+            ("kv_offload_write_seconds_total", "Seconds the disk tier's writer spent "
+                                               "writing (off the step loop)."))}
         self.kv_integrity_violations = RunningTotal(
             counter("kv_integrity_violations_total", "KV accounting errors the engine found.")
         )
@@ -166,6 +175,9 @@ class LoomMetrics:
         self.preemptions.advance_to(stats.num_preemptions_total, engine)
         self.prefix_cache_queries.advance_to(stats.prefix_cache_queries_total, engine)
         self.prefix_cache_hits.advance_to(stats.prefix_cache_hits_total, engine)
+        self.prefix_cache_disk_hits.advance_to(stats.prefix_cache_disk_hits_total, engine)
+        for name, series in self.kv_offload.items():
+            series.advance_to(getattr(stats, name), engine)
         self.kv_integrity_violations.advance_to(stats.kv_integrity_violations_total, engine)
         self.engine_bad_frames.advance_to(stats.bad_frames_total, engine)
         self._observe_spec(stats, engine)

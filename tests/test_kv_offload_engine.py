@@ -54,6 +54,9 @@ def test_a_restarted_engine_hits_the_prompts_the_last_one_saw(model_dir: str,
     first.shutdown()
     second = offloading(model_dir, tmp_path)
     assert generate(second, prompt) == (fresh, 96)  # six whole blocks from disk
+    stats = second.idle_outputs().stats
+    assert stats.prefix_cache_disk_hits_total == stats.prefix_cache_hits_total == 96
+    assert stats.kv_offload_read_bytes_total > 0 and stats.kv_offload_read_seconds_total > 0
     second.shutdown()
     for path in tmp_path.rglob("*.kv"):
         path.write_bytes(path.read_bytes()[:-1] + b"\x7f")

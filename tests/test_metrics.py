@@ -141,3 +141,19 @@ def test_speculative_counters_follow_each_engines_totals_by_position() -> None:
     assert values["loom:spec_decode_num_accepted_tokens_total"] == 9 + 1
     assert values['loom:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 6 + 1
     assert values['loom:spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == 3
+
+
+def test_the_disk_tier_counts_its_hits_bytes_and_seconds() -> None:
+    metrics = LoomMetrics()
+    for scale in (1, 2):
+        metrics.observe_step(StepStats(
+            prefix_cache_hits_total=96 * scale, prefix_cache_disk_hits_total=64 * scale,
+            kv_offload_read_bytes_total=4096 * scale, kv_offload_written_bytes_total=8192,
+            kv_offload_read_seconds_total=0.5 * scale, kv_offload_write_seconds_total=0.25))
+    values = samples(metrics)
+    assert values["loom:prefix_cache_hits_total"] == 192
+    assert values["loom:prefix_cache_disk_hits_total"] == 128
+    assert values["loom:kv_offload_read_bytes_total"] == 8192
+    assert values["loom:kv_offload_written_bytes_total"] == 8192
+    assert values["loom:kv_offload_read_seconds_total"] == pytest.approx(1.0)
+    assert values["loom:kv_offload_write_seconds_total"] == pytest.approx(0.25)

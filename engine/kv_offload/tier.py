@@ -68,6 +68,15 @@ class DiskTier:
         self.store.flush()
         self.store.close()
 
+    def as_stats(self) -> dict[str, int | float]:
+        """As common.protocol.StepStats names them (the tokens it supplied come from the
+        block manager)."""
+        stats = self.store.stats
+        return {"kv_offload_read_bytes_total": stats.bytes_read,
+                "kv_offload_written_bytes_total": stats.bytes_written,
+                "kv_offload_read_seconds_total": stats.read_seconds,
+                "kv_offload_write_seconds_total": stats.write_seconds}
+
 
 def attach_disk_tier(config: EngineConfig, block_manager: BlockManager, caches: list[KVCache],
                      dtype: torch.dtype) -> DiskTier | None:
