@@ -5,8 +5,6 @@ engine requests, and answered in Anthropic's shapes (frontend.anthropic_reply)."
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 
 from aiohttp import web
@@ -14,15 +12,12 @@ from aiohttp import web
 from frontend.anthropic_reply import MessageReply
 from frontend.anthropic_request import parse_conversation, parse_messages_request
 from frontend.body_reader import parse_json_object
-from frontend.errors import invalid_param
-from frontend.generation import Delta, Generation
+from frontend.errors import APIError, invalid_param
+from frontend.event_stream_reply import stream_reply
 from frontend.openai_api import engine_failure, log_finished, prepare_generations
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
-from frontend.sse import EventStream
 from frontend.state import STATE
 from frontend.structured_outputs import build_grammars
-
-logger = logging.getLogger("loom.frontend.anthropic")
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
@@ -45,7 +40,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     try:
         async with generation:
             if options.stream:
-                return await _stream(request, generation, reply)
+                return await stream_reply(request, generation, reply, _error_event)
             result = await generation.collect()
     except (EngineUnavailableError, EngineBusyError, EngineRequestError) as exc:
         raise engine_failure(exc) from exc
@@ -53,31 +48,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     return web.json_response(reply.body(result, generation.usage))
 
 
-async def _stream(request: web.Request, generation: Generation,
-                  reply: MessageReply) -> web.StreamResponse:
-    events = EventStream(request)
-    await events.open()
-    last = Delta("")
-    try:
-        try:
-            for name, payload in reply.start_events(generation.usage):
-                await events.send_named(name, payload)
-            async with contextlib.aclosing(generation.deltas()) as deltas:
-                async for delta in deltas:
-                    for name, payload in reply.delta_events(delta):
-                        await events.send_named(name, payload)
-                    last = delta
-            for name, payload in reply.finish_events(last, generation.usage):
-                await events.send_named(name, payload)
-        except (EngineUnavailableError, EngineRequestError) as exc:
-            logger.warning("%s failed mid-stream: %s", reply.message_id, exc)
-            await events.send_named("error", engine_failure(exc).anthropic_body())
-        await events.close()
-    except ConnectionResetError:
-        logger.info("%s: client disconnected", reply.message_id)
-        return events.response
-    log_finished(generation, last.finish_reason)
-    return events.response
+def _error_event(error: APIError) -> tuple[str, dict]:
+    return "error", error.anthropic_body()
 
 
 async def count_tokens(request: web.Request) -> web.Response:

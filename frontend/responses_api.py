@@ -6,27 +6,23 @@ frontend.responses_output and, unless `store` is false, kept (frontend.response_
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from typing import Any
 
 from aiohttp import web
 
 from frontend.body_reader import parse_json_object
-from frontend.errors import invalid_param
-from frontend.generation import Delta, Generation
+from frontend.errors import APIError, invalid_param
+from frontend.event_stream_reply import stream_reply
 from frontend.openai_api import engine_failure, log_finished, prepare_generations
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
 from frontend.response_store import ResponseStore, StoredResponse
 from frontend.responses_input import chat_body
 from frontend.responses_output import ResponseReply
 from frontend.schemas import parse_chat_request
-from frontend.sse import EventStream
 from frontend.state import STATE
 from frontend.structured_outputs import build_grammars
 
-logger = logging.getLogger("loom.frontend.responses")
 STORE = web.AppKey("loom_response_store", ResponseStore)
 
 
@@ -62,7 +58,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     try:
         async with generation:
             if options.stream:
-                response = await _stream(request, generation, reply)
+                response = await stream_reply(request, generation, reply, _error_event)
             else:
                 result = await generation.collect()
                 log_finished(generation, result.finish_reason)
@@ -75,33 +71,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _stream(request: web.Request, generation: Generation,
-                  reply: ResponseReply) -> web.StreamResponse:
-    events = EventStream(request)
-    await events.open()
-    last = Delta("")
-    try:
-        try:
-            for name, payload in reply.start_events():
-                await events.send_named(name, payload)
-            async with contextlib.aclosing(generation.deltas()) as deltas:
-                async for delta in deltas:
-                    for name, payload in reply.delta_events(delta):
-                        await events.send_named(name, payload)
-                    last = delta
-            for name, payload in reply.finish_events(last, generation.usage):
-                await events.send_named(name, payload)
-        except (EngineUnavailableError, EngineRequestError) as exc:
-            logger.warning("%s failed mid-stream: %s", reply.response_id, exc)
-            error = engine_failure(exc)
-            await events.send_named("error", {"type": "error", "code": error.code,
-                                              "message": error.message, "param": None})
-        await events.close()
-    except ConnectionResetError:
-        logger.info("%s: client disconnected", reply.response_id)
-        return events.response
-    log_finished(generation, last.finish_reason)
-    return events.response
+def _error_event(error: APIError) -> tuple[str, dict]:
+    return "error", {"type": "error", "code": error.code, "message": error.message,
+                     "param": error.param}
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

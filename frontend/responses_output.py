@@ -96,7 +96,7 @@ class ResponseReply:
                  for item in self.output if item["type"] == "function_call"]
         return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
-    def start_events(self) -> list[Event]:
+    def start_events(self, usage: Usage) -> list[Event]:
         response = self.response("in_progress", None)
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]

@@ -106,3 +106,15 @@ def assert_equals_transformers_generate(outputs: dict[str, list[int]],
                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert_greedy_equal_or_near_tie(outputs[request.request_id], expected, prompt,
                                         reference_logits)
+
+
+def reference_embedding(model_dir: str, prompt: list[int], kind: str):
+    """transformers' final hidden states of the prompt (fp32), pooled as `kind` ("last" or
+    "mean") and L2-normalized: the oracle of embedding requests."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
+    pooled = states[-1] if kind == "last" else states.mean(0)
+    return torch.nn.functional.normalize(pooled, dim=0).numpy()

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
-from tests.engine_helpers import assert_no_leaks, greedy_request, make_core
+from tests.engine_helpers import (
+    assert_no_leaks,
+    greedy_request,
+    make_core,
+    reference_embedding,
+)
 from tests.model_fixtures import build_tiny_llama_dir
 
 
@@ -23,14 +26,6 @@ def model_dir(request, tmp_path_factory) -> str:
 
 def prompt_of(length: int, salt: int = 0) -> list[int]:
     return [(5 * i + 11 * salt) % 190 + 3 for i in range(length)]
-
-
-def expected(model_dir: str, prompt: list[int], kind: str) -> np.ndarray:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
-    pooled = states[-1] if kind == "last" else states.mean(0)
-    return torch.nn.functional.normalize(pooled, dim=0).numpy()
 
 
 def embedding_request(request_id: str, prompt: list[int], kind: str) -> AddRequest:
@@ -67,7 +62,7 @@ def test_pooled_states_equal_transformers_beside_generations_in_chunks_and_preem
     assert preempted & set(prompts), preempted  # an embedding recomputed from its start
     assert any(trace.scheduled.get("e2", 0) not in (0, 95) for trace in core.traces)  # chunked
     for name, prompt in prompts.items():
-        want = expected(model_dir, prompt, kind)
+        want = reference_embedding(model_dir, prompt, kind)
         cosine = float(np.dot(vectors[name], want))
         assert cosine >= 0.9999, (name, cosine)
         assert abs(np.linalg.norm(vectors[name]) - 1) < 1e-5
@@ -83,4 +78,4 @@ def test_a_cached_prompt_is_hit_by_last_pooling_and_computed_whole_by_mean(
                   cached)
     assert cached == {"last": 64, "mean": 0}
     for kind in ("last", "mean"):
-        assert float(np.dot(vectors[kind], expected(model_dir, prompt, kind))) >= 0.9999
+        assert float(np.dot(vectors[kind], reference_embedding(model_dir, prompt, kind))) >= 0.9999
