@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from frontend.errors import APIError
+from frontend.errors import APIError, internal_error
 from frontend.generation import Delta, Generation, Usage
 from frontend.openai_api import engine_failure, log_finished
 from frontend.request_stream import EngineRequestError, EngineUnavailableError
@@ -48,6 +48,9 @@ async def stream_reply(request: web.Request, generation: Generation, reply: Even
         except (EngineUnavailableError, EngineRequestError) as exc:
             logger.warning("%s failed mid-stream: %s", generation.request_id, exc)
             await events.send_named(*error_event(engine_failure(exc)))
+        except Exception:  # the stream is open: no status to send, an error event instead
+            logger.exception("%s: unhandled error mid-stream", generation.request_id)
+            await events.send_named(*error_event(internal_error("Internal server error.")))
         await events.close()
     except ConnectionResetError:
         logger.info("%s: client disconnected", generation.request_id)

@@ -176,14 +176,15 @@ class ResponseReply:
         self._open = None
         return events
 
-    def _item_event(self, name: str, **fields: Any) -> Event:
+    def _item_event(self, kind: str, **fields: Any) -> Event:
         assert self._open is not None
-        return self._event(name, item_id=self._open["id"], output_index=len(self.output) - 1,
+        return self._event(kind, item_id=self._open["id"], output_index=len(self.output) - 1,
                            **fields)
 
-    def _event(self, name: str, **fields: Any) -> Event:
+    def _event(self, kind: str, **fields: Any) -> Event:
+        """`kind` names the event (its `type`); fields may include a `name` (a function's)."""
         self._sequence += 1
-        return name, {"type": name, "sequence_number": self._sequence - 1, **_copy(fields)}
+        return kind, {"type": kind, "sequence_number": self._sequence - 1, **_copy(fields)}
 
 
 def _copy(fields: dict[str, Any]) -> dict[str, Any]:
