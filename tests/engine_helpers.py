@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from concurrent.futures import wait
 from typing import Literal
@@ -108,12 +109,18 @@ def assert_equals_transformers_generate(outputs: dict[str, list[int]],
                                         reference_logits)
 
 
+@functools.cache
+def reference_model(model_dir: str):
+    """transformers' own model of a test's checkpoint, in fp32, loaded once."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def reference_embedding(model_dir: str, prompt: list[int], kind: str):
     """transformers' final hidden states of the prompt (fp32), pooled as `kind` ("last" or
     "mean") and L2-normalized: the oracle of embedding requests."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = reference_model(model_dir)
     with torch.no_grad():
         states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
     pooled = states[-1] if kind == "last" else states.mean(0)

@@ -5,17 +5,16 @@ conversation answers as it does on /v1/chat/completions (one path behind both)."
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import anthropic
 import jsonschema
 import openai
 import pytest
 
+from tests.conftest import API_KEY
 from tests.launched_server import LaunchedServer
 
 MODEL = "SmolLM2-135M-Instruct"
-API_KEY = "sk-loom-anthropic"
 SYSTEM = "You are a helpful assistant. Answer briefly."
 ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
 WEATHER = {
@@ -36,10 +35,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    launched = LaunchedServer(["--api-key", API_KEY]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+def server(keyed_default_server: LaunchedServer) -> LaunchedServer:
+    return keyed_default_server
 
 
 @pytest.fixture(scope="module")

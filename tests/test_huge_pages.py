@@ -51,16 +51,14 @@ def test_a_cache_takes_memory_only_as_it_is_used() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's transparent huge pages")
 def test_the_kernel_backs_the_cache_with_huge_pages_where_it_gives_them() -> None:
+    """(Whether an ordinary allocation gets huge pages too is the allocator's and the
+    kernel's business: torch may ask for them for large tensors, khugepaged may collapse
+    them later. Only the cache's own pages are checked.)"""
     setting = THP_SETTING.read_text() if THP_SETTING.exists() else "[never]"
     cache = zeros_on_huge_pages((64 << 20,), torch.uint8, torch.device("cpu"))
     cache.fill_(1)
-    plain = torch.ones(64 << 20, dtype=torch.uint8)
-    if "[never]" in setting:  # nothing to ask for: both are plain pages
-        assert mapping_kib(cache.data_ptr(), "AnonHugePages") == 0
-    else:
-        assert mapping_kib(cache.data_ptr(), "AnonHugePages") >= 32 << 10
-        if "[madvise]" in setting:  # only what was asked for
-            assert mapping_kib(plain.data_ptr(), "AnonHugePages") == 0
+    huge_kib = mapping_kib(cache.data_ptr(), "AnonHugePages")
+    assert huge_kib == 0 if "[never]" in setting else huge_kib >= 32 << 10
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")

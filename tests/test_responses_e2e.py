@@ -5,13 +5,13 @@ loop, stored responses; the same conversation answers as on /v1/chat/completions
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pydantic
 import pytest
 
+from tests.conftest import API_KEY
 from tests.launched_server import LaunchedServer
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,15 +32,13 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    launched = LaunchedServer([]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+def server(keyed_default_server: LaunchedServer) -> LaunchedServer:
+    return keyed_default_server
 
 
 @pytest.fixture(scope="module")
 def client(server: LaunchedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
 
 
 def test_a_response_is_the_chat_completion_of_the_same_conversation(
@@ -165,7 +163,7 @@ def test_an_agent_of_the_agents_sdk_calls_its_tool(server: LaunchedServer) -> No
         return f"Sunny in {city}."
 
     model = agents.OpenAIResponsesModel(
-        MODEL, openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused",
+        MODEL, openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY,
                                   max_retries=0))
     agent = agents.Agent(name="weather", instructions=INSTRUCTIONS, tools=[get_weather],
                          model=model, tool_use_behavior="stop_on_first_tool",
