@@ -126,9 +126,9 @@ def _turn(param: str, raw: Any) -> list[ChatMessage]:
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(where, block))
         else:
-            raise invalid_param(where, f"{where}: a {role} turn takes text"
-                                f"{' and tool_use' if role == 'assistant' else ' and tool_result'}"
-                                f" blocks here, got {kind!r}")
+            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+            raise invalid_param(where, f"{where}: a {role} turn takes {allowed} blocks here, "
+                                       f"got {kind!r}")
     if role == "assistant":
         return [ChatMessage("assistant", "\n".join(texts), tool_calls=calls or None)]
     return results + ([ChatMessage("user", "\n".join(texts))] if texts or not results else [])
