@@ -4,7 +4,6 @@ engine requests, and answered in Anthropic's shapes (frontend.anthropic_reply)."
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from aiohttp import web
@@ -14,10 +13,14 @@ from frontend.anthropic_request import parse_conversation, parse_messages_reques
 from frontend.body_reader import parse_json_object
 from frontend.errors import APIError, invalid_param
 from frontend.event_stream_reply import stream_reply
-from frontend.openai_api import engine_failure, log_finished, prepare_generations
+from frontend.openai_api import (
+    chat_prompt,
+    engine_failure,
+    log_finished,
+    prepare_generations,
+)
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
 from frontend.state import STATE
-from frontend.structured_outputs import build_grammars
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
@@ -25,16 +28,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_json_object(await request.read())
     state.ready_engine()
-    parser = state.settings.tool_call_parser
-    parsed = parse_messages_request(body, parser)
+    parsed = parse_messages_request(body, state.settings.tool_call_parser)
     state.check_model(parsed.options.model)
     options = parsed.options
-    if options.structured is not None:
-        options.sampling_fields["grammars"] = await asyncio.to_thread(
-            build_grammars, options.structured)
-    prompt_ids = await state.tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
-    calls = parsed.tools is not None and parsed.tools.parses_calls
-    reply = MessageReply(state.model_name, parser if calls else None)
+    prompt_ids, tool_parser = await chat_prompt(state, parsed)
+    reply = MessageReply(state.model_name, tool_parser)
     [generation] = prepare_generations(state, [prompt_ids], options, reply.message_id,
                                        "messages", arrival)
     try:

@@ -56,6 +56,19 @@ async def _read_request(request: web.Request, parse: Callable[[dict[str, Any], i
     return state, parsed
 
 
+async def chat_prompt(state: ServerState, parsed: Any) -> tuple[list[int], str | None]:
+    """A chat-shaped request's prompt ids (its grammars built on a thread first) and the tool
+    parser to read its reply with, when the reply may call tools. `parsed` has `messages`,
+    `options` and `tools`, as ChatRequest has (the Messages and Responses APIs' too)."""
+    options = parsed.options
+    if options.structured is not None and "grammars" not in options.sampling_fields:
+        options.sampling_fields["grammars"] = await asyncio.to_thread(
+            build_grammars, options.structured)
+    prompt_ids = await state.tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
+    calls = parsed.tools is not None and parsed.tools.parses_calls
+    return prompt_ids, state.settings.tool_call_parser if calls else None
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state, parsed = await _read_request(request, parse_completion_request)
@@ -90,14 +103,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state, parsed = await _read_request(
         request, functools.partial(parse_chat_request, tool_call_parser=parser))
     options = parsed.options
-    prompt_ids = await state.tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
+    prompt_ids, tool_parser = await chat_prompt(state, parsed)
     response_format = ChatFormat(
         f"chatcmpl-{uuid.uuid4().hex}",
         state.model_name,
         int(time.time()),
         options.include_usage,
         logprobs=None if options.logprobs is None else ChatLogprobs(state.tokenizer.token_texts),
-        tool_parser=parser if parsed.tools is not None and parsed.tools.parses_calls else None,
+        tool_parser=tool_parser,
     )
     return await _generate(request, state, [prompt_ids], options, response_format, arrival)
 

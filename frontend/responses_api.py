@@ -5,7 +5,6 @@ frontend.responses_output and, unless `store` is false, kept (frontend.response_
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -14,14 +13,18 @@ from aiohttp import web
 from frontend.body_reader import parse_json_object
 from frontend.errors import APIError, invalid_param
 from frontend.event_stream_reply import stream_reply
-from frontend.openai_api import engine_failure, log_finished, prepare_generations
+from frontend.openai_api import (
+    chat_prompt,
+    engine_failure,
+    log_finished,
+    prepare_generations,
+)
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
 from frontend.response_store import ResponseStore, StoredResponse
 from frontend.responses_input import chat_body
 from frontend.responses_output import ResponseReply
 from frontend.schemas import parse_chat_request
 from frontend.state import STATE
-from frontend.structured_outputs import build_grammars
 
 STORE = web.AppKey("loom_response_store", ResponseStore)
 
@@ -43,16 +46,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                                          "string.")
         history = [dict(message) for message in store.get(previous).conversation]
     chat, conversation = chat_body(body, history)
-    parser = state.settings.tool_call_parser
-    parsed = parse_chat_request(chat, info.vocab_size, tool_call_parser=parser)
+    parsed = parse_chat_request(chat, info.vocab_size,
+                                tool_call_parser=state.settings.tool_call_parser)
     state.check_model(parsed.options.model)
     options = parsed.options
-    if options.structured is not None:
-        options.sampling_fields["grammars"] = await asyncio.to_thread(
-            build_grammars, options.structured)
-    prompt_ids = await state.tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
-    calls = parsed.tools is not None and parsed.tools.parses_calls
-    reply = ResponseReply(body, state.model_name, parser if calls else None)
+    prompt_ids, tool_parser = await chat_prompt(state, parsed)
+    reply = ResponseReply(body, state.model_name, tool_parser)
     [generation] = prepare_generations(state, [prompt_ids], options, reply.response_id,
                                        "input", arrival)
     try:
