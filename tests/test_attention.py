@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention import decode_buckets
 from engine.attention import metadata as attention_metadata
 from engine.attention.base import AttentionBackend
 from engine.attention.cpu_backend import CpuBackend
@@ -93,7 +94,7 @@ def backend_for(impl: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> Atten
         return CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=True)
     settings = DECODE_IMPLS[impl]
     if "BUCKET_OVERHEAD_BLOCKS" in settings:  # a knob of the step's plan
-        monkeypatch.setattr(attention_metadata, "BUCKET_OVERHEAD_BLOCKS",
+        monkeypatch.setattr(decode_buckets, "BUCKET_OVERHEAD_BLOCKS",
                             settings["BUCKET_OVERHEAD_BLOCKS"])
     if "LOOM_CPU_AMX" in settings:
         monkeypatch.setenv("LOOM_CPU_AMX", settings["LOOM_CPU_AMX"])

@@ -15,16 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
+from engine.attention.decode_buckets import DecodeBucket, decode_buckets
 from engine.attention.metadata import (
     AttentionMetadata,
-    DecodeBucket,
     HeadPlan,
     PrefillChunk,
     StepPlan,
     Workspace,
     additive_mask,
     cache_rows,
-    decode_buckets,
     expand_for_heads,
     plan_step,
 )
