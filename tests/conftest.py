@@ -32,13 +32,12 @@ async def harness(tokenizer: Any) -> AsyncIterator[FrontendHarness]:
         yield running
 
 
-API_KEY = "sk-loom-agent-apis"
-
 
 @pytest.fixture(scope="session")
 def keyed_default_server(tmp_path_factory):
     """launch.py on the default model with an API key, shared by the Messages and Responses
     e2e modules (one start instead of two)."""
+    from tests.agent_apis import API_KEY
     from tests.launched_server import LaunchedServer
 
     launched = LaunchedServer(["--api-key", API_KEY]).start(tmp_path_factory.mktemp("logs"))

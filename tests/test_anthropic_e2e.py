@@ -11,22 +11,13 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import API_KEY
+from tests.agent_apis import API_KEY, INSTRUCTIONS, MODEL, QUESTION, WEATHER, WEATHER_QUESTION
 from tests.launched_server import LaunchedServer
 
-MODEL = "SmolLM2-135M-Instruct"
-SYSTEM = "You are a helpful assistant. Answer briefly."
-ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 30},
-                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+ASK = [{"role": "user", "content": QUESTION}]
 TOOLS = [{"name": "get_weather", "description": "The weather in a city now.",
           "input_schema": WEATHER}]
-WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK_WEATHER = [{"role": "user", "content": WEATHER_QUESTION}]
 # Recent SDKs dropped the sampling keywords; the API (and Loom) still take them in the body.
 GREEDY = {"extra_body": {"temperature": 0}}
 ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}
@@ -50,18 +41,18 @@ def text_of(message: anthropic.types.Message) -> str:
 
 def test_a_message_is_the_chat_completion_of_the_same_conversation(
         client: anthropic.Anthropic, server: LaunchedServer) -> None:
-    message = client.messages.create(model=MODEL, system=SYSTEM, messages=ASK, max_tokens=40,
+    message = client.messages.create(model=MODEL, system=INSTRUCTIONS, messages=ASK, max_tokens=40,
                                      **GREEDY)
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_") and message.model == MODEL
     assert message.stop_reason in ("end_turn", "max_tokens")
     chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY).chat.completions
     completion = chat.create(model=MODEL, max_tokens=40, **GREEDY,
-                             messages=[{"role": "system", "content": SYSTEM}, *ASK])
+                             messages=[{"role": "system", "content": INSTRUCTIONS}, *ASK])
     assert text_of(message) == completion.choices[0].message.content
     assert message.usage.input_tokens == completion.usage.prompt_tokens
     assert message.usage.output_tokens == completion.usage.completion_tokens
-    counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK)
+    counted = client.messages.count_tokens(model=MODEL, system=INSTRUCTIONS, messages=ASK)
     assert counted.input_tokens == message.usage.input_tokens
 
 
@@ -100,14 +91,14 @@ def test_a_stop_sequence_ends_the_text_before_it_and_is_named(
 
 def test_a_tool_loop(client: anthropic.Anthropic) -> None:
     """A forced call with valid input, its result sent back, then an answer in text."""
-    first = client.messages.create(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS,
+    first = client.messages.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS,
                                    tool_choice={"type": "tool", "name": "get_weather"},
                                    max_tokens=80, **GREEDY)
     assert first.stop_reason == "tool_use"
     (call,) = [block for block in first.content if block.type == "tool_use"]
     assert call.name == "get_weather" and call.id.startswith("toolu_")
     jsonschema.validate(call.input, WEATHER)
-    follow_up = [*WEATHER_QUESTION,
+    follow_up = [*ASK_WEATHER,
                  {"role": "assistant", "content": [block.model_dump() for block in
                                                    first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
@@ -122,10 +113,10 @@ def test_a_tool_loop(client: anthropic.Anthropic) -> None:
 
 def test_a_streamed_tool_call_sends_its_input_as_json_deltas(
         client: anthropic.Anthropic) -> None:
-    whole = client.messages.create(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS,
+    whole = client.messages.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS,
                                    tool_choice=ONE_CALL, max_tokens=80, **GREEDY)
     fragments = []
-    with client.messages.stream(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS,
+    with client.messages.stream(model=MODEL, messages=ASK_WEATHER, tools=TOOLS,
                                 tool_choice=ONE_CALL, max_tokens=80,
                                 **GREEDY) as stream:
         for event in stream:

@@ -11,22 +11,12 @@ import openai
 import pydantic
 import pytest
 
-from tests.conftest import API_KEY
+from tests.agent_apis import API_KEY, INSTRUCTIONS, MODEL, QUESTION, WEATHER
+from tests.agent_apis import WEATHER_QUESTION as ASK_WEATHER
 from tests.launched_server import LaunchedServer
 
-MODEL = "SmolLM2-135M-Instruct"
-INSTRUCTIONS = "You are a helpful assistant. Answer briefly."
-QUESTION = "Name three colours of the rainbow."
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 30},
-                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
           "parameters": WEATHER}]
-ASK_WEATHER = "What is the weather in Paris?"
 
 pytestmark = pytest.mark.e2e
 
