@@ -715,22 +715,33 @@ template <typename T>
 using DecodeOne = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, const Task&,
                            T*, std::vector<float>&, std::vector<float>&);
 
+#if defined(__AVX512F__)
+constexpr int kMaxSimdGroup = 8;
+
+// pick(std::integral_constant<int, G>{}) for the group G, 1..kMaxSimdGroup, else `none`: the
+// compile-time group count of a SIMD kernel, chosen at run time.
+template <int kGroup = 1, typename R, typename Pick>
+R for_group(int64_t group, R none, Pick pick) {
+  if constexpr (kGroup > kMaxSimdGroup) {
+    (void)group, (void)pick;
+    return none;
+  } else {
+    if (group == kGroup) return pick(std::integral_constant<int, kGroup>{});
+    return for_group<kGroup + 1>(group, none, pick);
+  }
+}
+#endif
+
 template <typename T, int kDim>
 DecodeOne<T> simd_for_group(int64_t group) {
 #if defined(__AVX512F__)
-  switch (group) {
-    case 1: return decode_one_simd<T, kDim, 1>;
-    case 2: return decode_one_simd<T, kDim, 2>;
-    case 3: return decode_one_simd<T, kDim, 3>;
-    case 4: return decode_one_simd<T, kDim, 4>;
-    case 5: return decode_one_simd<T, kDim, 5>;
-    case 6: return decode_one_simd<T, kDim, 6>;
-    case 7: return decode_one_simd<T, kDim, 7>;
-    case 8: return decode_one_simd<T, kDim, 8>;
-  }
-#endif
+  return for_group(group, DecodeOne<T>(decode_one<T, kDim>), [](auto g) -> DecodeOne<T> {
+    return decode_one_simd<T, kDim, decltype(g)::value>;
+  });
+#else
   (void)group;
   return decode_one<T, kDim>;
+#endif
 }
 
 template <typename T>
@@ -748,19 +759,13 @@ using DecodeRun = void (*)(const Run<T>&, const T*, const T*, const int64_t*, co
 template <typename T, int kDim>
 DecodeRun<T> run_for_group(int64_t group) {
 #if defined(__AVX512F__)
-  switch (group) {
-    case 1: return decode_run_simd<T, kDim, 1>;
-    case 2: return decode_run_simd<T, kDim, 2>;
-    case 3: return decode_run_simd<T, kDim, 3>;
-    case 4: return decode_run_simd<T, kDim, 4>;
-    case 5: return decode_run_simd<T, kDim, 5>;
-    case 6: return decode_run_simd<T, kDim, 6>;
-    case 7: return decode_run_simd<T, kDim, 7>;
-    case 8: return decode_run_simd<T, kDim, 8>;
-  }
-#endif
+  return for_group(group, DecodeRun<T>(nullptr), [](auto g) -> DecodeRun<T> {
+    return decode_run_simd<T, kDim, decltype(g)::value>;
+  });
+#else
   (void)group;
   return nullptr;
+#endif
 }
 
 // The run kernel where one serves these shapes (else each row of a run alone).
