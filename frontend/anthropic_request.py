@@ -20,7 +20,7 @@ from typing import Any
 
 from frontend.body_reader import BodyReader
 from frontend.errors import invalid_param
-from frontend.schemas import ChatMessage, GenerationOptions
+from frontend.schemas import ChatMessage, GenerationOptions, text_of_parts
 from frontend.tools import ToolRequest, call_grammar, parse_tool_request
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -85,23 +85,7 @@ def _model(reader: BodyReader) -> str:
 def _system(raw: Any) -> list[ChatMessage]:
     if raw is None:
         return []
-    return [ChatMessage("system", _text("system", raw))]
-
-
-def _text(param: str, raw: Any) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(raw, str):
-        return raw
-    if not isinstance(raw, list):
-        raise invalid_param(param, f"{param}: must be a string or a list of text blocks")
-    texts = []
-    for index, block in enumerate(raw):
-        if not isinstance(block, dict) or block.get("type") != "text" \
-                or not isinstance(block.get("text"), str):
-            raise invalid_param(f"{param}.{index}", f"{param}.{index}: only text blocks "
-                                                    "are supported here")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    return [ChatMessage("system", text_of_parts("system", raw))]
 
 
 def _turn(param: str, raw: Any) -> list[ChatMessage]:
@@ -146,7 +130,7 @@ def _tool_use(where: str, block: dict[str, Any]) -> dict[str, Any]:
 def _tool_result(where: str, block: dict[str, Any]) -> ChatMessage:
     if not isinstance(block.get("tool_use_id"), str):
         raise invalid_param(f"{where}.tool_use_id", f"{where}.tool_use_id: Field required")
-    content = _text(f"{where}.content", block.get("content", ""))
+    content = text_of_parts(f"{where}.content", block.get("content", ""))
     if block.get("is_error") is True:
         content = f"Error: {content}"
     return ChatMessage("tool", content, tool_call_id=block["tool_use_id"])

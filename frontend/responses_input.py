@@ -19,11 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 from frontend.errors import invalid_param
+from frontend.schemas import text_of_parts
 
 Message = dict[str, Any]  # a chat completions message
 PASSED_ON = ("model", "temperature", "top_p", "seed", "stream", "parallel_tool_calls", "user",
              "top_k", "min_p", "repetition_penalty", "stop")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def chat_body(body: dict[str, Any], history: list[Message]) -> tuple[dict[str, Any],
@@ -79,7 +81,8 @@ def input_messages(raw: Any) -> list[Message]:
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _string(f"{param}.call_id",
                                                                      item.get("call_id")),
-                             "content": _text(f"{param}.output", item.get("output"))})
+                             "content": text_of_parts(f"{param}.output", item.get("output"),
+                                                     TEXT_PARTS)})
         elif kind != "reasoning":
             raise invalid_param(f"{param}.type", f"'{param}.type' {kind!r} is not supported: "
                                 "send messages, function_call and function_call_output items.")
@@ -91,23 +94,8 @@ def _message(param: str, item: dict[str, Any]) -> Message:
     if role not in MESSAGE_ROLES:
         raise invalid_param(f"{param}.role", f"'{param}.role' must be one of "
                                              f"{list(MESSAGE_ROLES)}.")
-    return {"role": role, "content": _text(f"{param}.content", item.get("content"))}
-
-
-def _text(param: str, raw: Any) -> str:
-    if isinstance(raw, str):
-        return raw
-    if not isinstance(raw, list):
-        raise invalid_param(param, f"'{param}' must be a string or a list of text parts.")
-    texts = []
-    for index, part in enumerate(raw):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise invalid_param(f"{param}[{index}]", f"'{param}[{index}]': only text parts "
-                                                     "are supported.")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    content = text_of_parts(f"{param}.content", item.get("content"), TEXT_PARTS)
+    return {"role": role, "content": content}
 
 
 def _function_call(param: str, item: dict[str, Any]) -> dict[str, Any]:

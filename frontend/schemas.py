@@ -258,7 +258,7 @@ def _parse_message(index: int, raw: Any) -> ChatMessage:
     if content is None and role == "assistant":
         content = ""
     message = ChatMessage(
-        "system" if role == "developer" else role, _parse_content(f"{param}.content", content)
+        "system" if role == "developer" else role, text_of_parts(f"{param}.content", content)
     )
     if role == "tool":
         message.tool_call_id = raw.get("tool_call_id")
@@ -290,14 +290,15 @@ def _parse_tool_calls(param: str, raw: Any) -> list[dict[str, Any]]:
     return raw
 
 
-def _parse_content(param: str, content: Any) -> str:
+def text_of_parts(param: str, content: Any, part_types: tuple[str, ...] = ("text",)) -> str:
+    """A message's content: a string, or text parts (of `part_types`) joined by newlines."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid_param(param, f"'{param}' must be a string or a list of text parts.")
     texts = []
     for index, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
+        if not isinstance(part, dict) or part.get("type") not in part_types:
             raise invalid_param(
                 f"{param}[{index}]", f"'{param}[{index}]': only text parts are supported."
             )
