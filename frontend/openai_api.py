@@ -50,20 +50,22 @@ async def _read_request(request: web.Request, parse: Callable[[dict[str, Any], i
     _, info = state.ready_engine()
     parsed = parse(body, info.vocab_size)
     state.check_model(parsed.options.model)
-    if parsed.options.structured is not None:
-        parsed.options.sampling_fields["grammars"] = await asyncio.to_thread(
-            build_grammars, parsed.options.structured)
+    await build_request_grammars(parsed.options)
     return state, parsed
 
 
-async def chat_prompt(state: ServerState, parsed: Any) -> tuple[list[int], str | None]:
-    """A chat-shaped request's prompt ids (its grammars built on a thread first) and the tool
-    parser to read its reply with, when the reply may call tools. `parsed` has `messages`,
-    `options` and `tools`, as ChatRequest has (the Messages and Responses APIs' too)."""
-    options = parsed.options
-    if options.structured is not None and "grammars" not in options.sampling_fields:
+async def build_request_grammars(options: GenerationOptions) -> None:
+    """The grammars of the output's constraint, if any, built on a thread (a large one takes
+    a second) into the sampling fields."""
+    if options.structured is not None:
         options.sampling_fields["grammars"] = await asyncio.to_thread(
             build_grammars, options.structured)
+
+
+async def chat_prompt(state: ServerState, parsed: Any) -> tuple[list[int], str | None]:
+    """A chat-shaped request's prompt ids and the tool parser to read its reply with, when
+    the reply may call tools. `parsed` has `messages` and `tools`, as ChatRequest has (the
+    Messages and Responses APIs' requests too)."""
     prompt_ids = await state.tokenizer.encode_chat(parsed.messages, tools=parsed.tools)
     calls = parsed.tools is not None and parsed.tools.parses_calls
     return prompt_ids, state.settings.tool_call_parser if calls else None

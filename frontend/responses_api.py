@@ -14,6 +14,7 @@ from frontend.body_reader import parse_json_object
 from frontend.errors import APIError, invalid_param
 from frontend.event_stream_reply import stream_reply
 from frontend.openai_api import (
+    build_request_grammars,
     chat_prompt,
     engine_failure,
     log_finished,
@@ -50,6 +51,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                 tool_call_parser=state.settings.tool_call_parser)
     state.check_model(parsed.options.model)
     options = parsed.options
+    await build_request_grammars(options)
     prompt_ids, tool_parser = await chat_prompt(state, parsed)
     reply = ResponseReply(body, state.model_name, tool_parser)
     [generation] = prepare_generations(state, [prompt_ids], options, reply.response_id,
