@@ -67,11 +67,17 @@ class DiskKVStore:
         return len(self._index)
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._index or self._path(block_hash).is_file()
+        """Indexed here, or written by another engine sharing the directory (a stat)."""
+        return self.indexed(block_hash) or self._path(block_hash).is_file()
+
+    def indexed(self, block_hash: bytes) -> bool:
+        """Known to be on disk without asking the disk."""
+        return block_hash in self._index
 
     def put(self, block_hash: bytes, payload: bytes) -> None:
-        """Queues the block for writing (dropped when the writer is that far behind)."""
-        if block_hash in self._index:
+        """Queues the block for writing (dropped when the writer is that far behind); the
+        writer skips one another engine wrote meanwhile."""
+        if self.indexed(block_hash):
             return
         try:
             self._pending.put_nowait((block_hash, payload))
@@ -144,6 +150,8 @@ class DiskKVStore:
                 self._pending.task_done()
 
     def _write(self, block_hash: bytes, payload: bytes) -> None:
+        if self._path(block_hash).is_file():  # another engine's: index it on a hit
+            return
         started = time.perf_counter()
         data = HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
         temporary = self.directory / f"{TEMPORARY}{os.getpid()}-{block_hash.hex()}"

@@ -40,7 +40,9 @@ class DiskTier:
         self.block_bytes = [cache[0].numel() * cache.element_size() for cache in self.caches]
 
     def save(self, block_id: int, block_hash: bytes) -> None:
-        if block_hash in self.store:
+        """Called on the step loop: no disk access here (the writer thread checks whether
+        another engine wrote the block already)."""
+        if self.store.indexed(block_hash):
             return
         payload = b"".join(cache[block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
                            for cache in self.caches)
