@@ -323,6 +323,27 @@ inline __m512 dots16(const T* keys, const T* query) {
   });
 }
 
+// One KV head over one block: acc[g] (kDim floats, kDim apart) += the weights of query head g
+// (`len` apart) of the first `count` tokens times their value rows, in vector registers.
+template <typename T, int kDim, int kGroup>
+inline void add_weighted_values(const T* values, const float* weights, int64_t len,
+                                int64_t count, float* acc) {
+  constexpr int kVecs = kDim / 16;
+  __m512 av[kGroup][kVecs];
+  for (int g = 0; g < kGroup; ++g)
+    for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_loadu_ps(acc + g * kDim + 16 * i);
+  for (int64_t t = 0; t < count; ++t) {
+    __m512 value[kVecs];
+    load_row<kDim>(values + t * kDim, value);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 p = _mm512_set1_ps(weights[g * len + t]);
+      for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_fmadd_ps(p, value[i], av[g][i]);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(acc + g * kDim + 16 * i, av[g][i]);
+}
+
 inline int64_t dim_at(const float*, int64_t i) { return i; }
 inline int64_t dim_at(const uint16_t*, int64_t i) {
   const int64_t chunk = i / 32, j = i % 32;
@@ -454,7 +475,6 @@ template <typename T, int kDim, int kGroup>
 void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                      int64_t, const Task& a, T* out, std::vector<float>& scores,
                      std::vector<float>& scratch) {
-  constexpr int kVecs = kDim / 16;
   constexpr int64_t kRow = kGroup * kDim;  // one KV head's query (or output) rows
   const int64_t bs = a.block_size, heads = a.num_task_heads;
   const int64_t block_elems = bs * kDim;
@@ -567,22 +587,9 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h) {
       ahead_of_head(v_cache, b, h);
-      const T* values = block_ptr(v_cache, b) + h * block_elems;
-      const float* sh = s + h * kGroup * len + start;
-      float* ah = acc + h * kRow;
-      __m512 av[kGroup][kVecs];
-      for (int g = 0; g < kGroup; ++g)
-        for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_loadu_ps(ah + g * kDim + 16 * i);
-      for (int64_t t = 0; t < count; ++t) {
-        __m512 value[kVecs];
-        load_row<kDim>(values + t * kDim, value);
-        for (int g = 0; g < kGroup; ++g) {
-          const __m512 p = _mm512_set1_ps(sh[g * len + t]);
-          for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_fmadd_ps(p, value[i], av[g][i]);
-        }
-      }
-      for (int g = 0; g < kGroup; ++g)
-        for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(ah + g * kDim + 16 * i, av[g][i]);
+      add_weighted_values<T, kDim, kGroup>(block_ptr(v_cache, b) + h * block_elems,
+                                           s + h * kGroup * len + start, len, count,
+                                           acc + h * kRow);
     }
   }
   for (int64_t h = 0; h < heads; ++h)
@@ -608,7 +615,6 @@ template <typename T, int kDim, int kGroup>
 void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
                      const int64_t* table, const Task& a, std::vector<float>& scores,
                      std::vector<float>& scratch) {
-  constexpr int kVecs = kDim / 16;
   constexpr int64_t kRow = kGroup * kDim;
   const int64_t bs = a.block_size, heads = a.num_task_heads, m = run.size;
   const int64_t block_elems = bs * kDim, len = run.lens[m - 1];
@@ -679,21 +685,9 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
       const T* values = block_ptr(v_cache, b) + h * block_elems;
       for (int64_t r = 0; r < m; ++r) {
         const int64_t len_r = run.lens[r], count = std::min(bs, len_r - start);
-        const float* sh = scores.data() + score_start[r] + h * kGroup * len_r + start;
-        float* ah = scratch.data() + r * per_row + h * kRow;
-        __m512 av[kGroup][kVecs];
-        for (int g = 0; g < kGroup; ++g)
-          for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_loadu_ps(ah + g * kDim + 16 * i);
-        for (int64_t t = 0; t < count; ++t) {
-          __m512 value[kVecs];
-          load_row<kDim>(values + t * kDim, value);
-          for (int g = 0; g < kGroup; ++g) {
-            const __m512 p = _mm512_set1_ps(sh[g * len_r + t]);
-            for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_fmadd_ps(p, value[i], av[g][i]);
-          }
-        }
-        for (int g = 0; g < kGroup; ++g)
-          for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(ah + g * kDim + 16 * i, av[g][i]);
+        add_weighted_values<T, kDim, kGroup>(
+            values, scores.data() + score_start[r] + h * kGroup * len_r + start, len_r, count,
+            scratch.data() + r * per_row + h * kRow);
       }
     }
   }
