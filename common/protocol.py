@@ -8,18 +8,20 @@ unknown or oversized raises FrameError, which both sides log and drop.
 from __future__ import annotations
 
 import array
+import math
 import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
+MAX_TENANT_NAME_CHARS = 256
 
 
 class FrameError(ValueError):
@@ -39,6 +41,7 @@ class FinishReason:
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    TIMEOUT = "timeout"  # the request's deadline passed while it ran: its output is partial
 
 
 def pack_token_ids(token_ids: list[int] | array.array) -> bytes:
@@ -66,6 +69,9 @@ class AddRequest:
     sampling: SamplingParams
     arrival_time: float
     priority: int = 0
+    tenant: str = ""  # who sent it (frontend.tenants); "" : the one tenant without --tenants
+    tenant_weight: float = 1.0  # the tenant's share of the engine, relative to the others'
+    timeout_s: float | None = None  # seconds from reaching the engine to its deadline
 
     def fields(self) -> list[Any]:
         return [
@@ -74,18 +80,34 @@ class AddRequest:
             self.sampling.to_wire(),
             self.arrival_time,
             self.priority,
+            self.tenant,
+            self.tenant_weight,
+            self.timeout_s,
         ]
 
     @classmethod
-    def from_fields(cls, request_id, prompt, sampling, arrival_time, priority) -> AddRequest:
+    def from_fields(cls, request_id, prompt, sampling, arrival_time, priority, tenant,
+                    tenant_weight, timeout_s) -> AddRequest:
         _expect(request_id, str, "request_id")
         _expect(arrival_time, float | int, "arrival_time")
         _expect(priority, int, "priority")
+        _expect(tenant, str, "tenant")
+        if len(tenant) > MAX_TENANT_NAME_CHARS:
+            raise FrameError(f"tenant name longer than {MAX_TENANT_NAME_CHARS} characters")
+        _expect(tenant_weight, float | int, "tenant_weight")
+        if not (math.isfinite(tenant_weight) and tenant_weight > 0):
+            raise FrameError(f"tenant_weight must be positive and finite, not {tenant_weight}")
+        if timeout_s is not None:
+            _expect(timeout_s, float | int, "timeout_s")
+            if not (math.isfinite(timeout_s) and timeout_s > 0):
+                raise FrameError(f"timeout_s must be positive and finite, not {timeout_s}")
         try:
             params = SamplingParams.from_wire(sampling)
         except (TypeError, ValueError) as exc:
             raise FrameError(f"bad sampling params: {exc}") from exc
-        return cls(request_id, unpack_token_ids(prompt), params, float(arrival_time), priority)
+        return cls(request_id, unpack_token_ids(prompt), params, float(arrival_time), priority,
+                   tenant, float(tenant_weight),
+                   None if timeout_s is None else float(timeout_s))
 
 
 @dataclass(slots=True)
@@ -254,15 +276,19 @@ class StepOutputs:
 class RequestError:
     request_id: str
     reason: str
+    code: str = ""  # "": refused or failed; DEADLINE_EXCEEDED: dropped unstarted at its deadline
+
+    DEADLINE_EXCEEDED: ClassVar[str] = "deadline_exceeded"
 
     def fields(self) -> list[Any]:
-        return [self.request_id, self.reason]
+        return [self.request_id, self.reason, self.code]
 
     @classmethod
-    def from_fields(cls, request_id, reason) -> RequestError:
+    def from_fields(cls, request_id, reason, code) -> RequestError:
         _expect(request_id, str, "request_id")
         _expect(reason, str, "reason")
-        return cls(request_id, reason)
+        _expect(code, str, "code")
+        return cls(request_id, reason, code)
 
 
 Message = AddRequest | AbortRequests | Shutdown | Ready | StepOutputs | RequestError

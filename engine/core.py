@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -38,10 +37,10 @@ from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.kv_cache_groups import KVCacheLayout
 from engine.kv_offload.tier import attach_disk_tier
 from engine.platform.cpu import choose_dtype
-from engine.platform.machine import Machine, rss_text
+from engine.platform.machine import Machine, rss_text, take_machine_defaults
 from engine.pooling.pooler import Pooler, PoolSpan
 from engine.quantization.registry import quantization_summary
-from engine.request import Request
+from engine.request import Request, deadline_passed
 from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.grammar_waitlist import AwaitingGrammar, GrammarWaitlist
 from engine.sampling.sampler import Sampler
@@ -76,7 +75,7 @@ class EngineCore:
         With --tensor-parallel-size N this process is rank 0 and starts ranks 1..N-1."""
         self.device = choose_device(config.device)
         self.machine = Machine.detect()
-        self.config = config = self._take_machine_defaults(config)
+        self.config = config = take_machine_defaults(config, self.machine, self.device)
         self.dtype = choose_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.workers = self._start_tensor_parallel(log_level)
@@ -191,23 +190,6 @@ class EngineCore:
         logger.info("decode graphs hold %.0f MiB, kept out of the KV cache", held / 2**20)
         return held
 
-    def _take_machine_defaults(self, config: EngineConfig) -> EngineConfig:
-        """The token budget and (on the CPU, one rank) the thread count from the machine
-        where the operator set none; one log line says which is which."""
-        taken = replace(config, max_num_batched_tokens=config.max_num_batched_tokens
-                        or self.machine.token_budget(self.device))
-        threads_set = "OMP_NUM_THREADS" in os.environ or config.tensor_parallel_size > 1
-        if self.device.type == "cpu" and not threads_set:
-            torch.set_num_threads(self.machine.threads)
-        kv = ("set" if config.kv_cache_memory or config.num_kv_blocks
-              else "80% of free CUDA memory" if self.device.type == "cuda"
-              else f"machine: {self.machine.kv_cache_bytes / 2**30:.1f} GiB at most")
-        logger.info("machine: %s; %d compute threads (%s), %d tokens per step (%s), KV cache "
-                    "size (%s)", self.machine.describe(), torch.get_num_threads(),
-                    "set" if threads_set else "machine", taken.max_num_batched_tokens,
-                    "set" if config.max_num_batched_tokens else "machine", kv)
-        return taken
-
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -242,7 +224,8 @@ class EngineCore:
         """Raises RequestRefused when the request can never be served. A constrained request
         waits outside the scheduler (no seat, no KV block) until its grammar is built."""
         request = Request(message.request_id, message.prompt_token_ids, message.sampling,
-                          message.arrival_time, message.priority)
+                          message.arrival_time, message.priority, message.tenant,
+                          message.tenant_weight, message.timeout_s)
         if request.request_id in self.grammar_waitlist:
             raise RequestRefused(f"request id {request.request_id!r} is already in use")
         if not request.sampling.grammars:
@@ -264,6 +247,21 @@ class EngineCore:
         for error in errors:
             logger.info("refused %s: %s", error.request_id, error.reason)
         return errors
+
+    def expire_deadlines(self) -> tuple[list[RequestError], StepOutputs | None]:
+        """Ends the requests whose deadline passed: an error for each that never started,
+        and a frame that finishes the others (reason TIMEOUT) with what they generated."""
+        never_started, cut_short = self.scheduler.expire(time.monotonic())
+        for request in never_started + cut_short:
+            self._forget(request)
+        errors = [RequestError(request.request_id, deadline_passed(request),
+                               RequestError.DEADLINE_EXCEEDED) for request in never_started]
+        if not cut_short:
+            return errors, None
+        frame = self.idle_outputs()
+        frame.outputs = [RequestOutput(request.request_id, [], request.finish_reason,
+                                       request.num_cached_tokens) for request in cut_short]
+        return errors, frame
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.grammar_waitlist.abort(request_ids)

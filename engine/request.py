@@ -28,6 +28,9 @@ class Request:
     sampling: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    tenant: str = ""  # whose fair share it counts against (engine.fair_share)
+    tenant_weight: float = 1.0
+    timeout_s: float | None = None  # the deadline, counted from reaching the engine
     arrival_order: int = 0  # set by the scheduler: FCFS tie-break
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output, in order
@@ -47,6 +50,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def deadline(self) -> float | None:
+        """time.monotonic() past which it must not run on; None: no deadline."""
+        return None if self.timeout_s is None else self.queued_at + self.timeout_s
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,3 +119,9 @@ class Request:
         if self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def deadline_passed(request: Request) -> str:
+    """Why a request that never started was dropped."""
+    return (f"its deadline passed while it waited in the engine's queue ({request.timeout_s:g} s "
+            f"after it reached the engine); it was never started")

@@ -1,9 +1,12 @@
 """Iteration-level scheduler: every step re-decides which requests run and how many tokens each.
 
 Running requests go first (a decode costs one token, an unfinished prefill gets its next
-chunk), then waiting ones in FCFS (or priority) order while token budget, seats and free
-blocks allow. When a running request needs a block and none is free, the most recently
-admitted running request is preempted: its blocks are freed and it recomputes later.
+chunk), then waiting ones while token budget, seats and free blocks allow: the first, in FCFS
+(or priority) order, of the tenant furthest below its fair share (engine.fair_share; without
+tenants there is one, and the order is plain FCFS). When a running request needs a block and
+none is free, the most recently admitted running request of the tenant furthest over its
+share is preempted: its blocks are freed and it recomputes later. A request whose deadline
+passed is dropped from the queue, or stopped with what it generated (`expire`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from common.config import EngineConfig
 from common.protocol import FinishReason
 from engine.block_manager import BlockManager, CachedPrefix
+from engine.fair_share import FairShare
 from engine.request import Request, RequestStatus
 
 
@@ -89,6 +93,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.fair_share = FairShare()
         self._arrivals = itertools.count()
 
     # --- queue state ---------------------------------------------------------------------
@@ -131,6 +136,7 @@ class Scheduler:
         self.check_new(request)
         request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
+        self.fair_share.arrived(request)
         self._enqueue(request)
 
     def check_new(self, request: Request) -> None:
@@ -156,9 +162,25 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+            self.fair_share.left_queue(request)
         self.block_manager.free(request)
         request.finish(reason)
         del self.requests[request.request_id]
+
+    def expire(self, now: float) -> tuple[list[Request], list[Request]]:
+        """Finishes every request whose deadline is past `now` (time.monotonic()), with
+        reason TIMEOUT. Returns those that never started (waiting, nothing generated: the
+        client gets an error) and those cut short (their output so far stands)."""
+        never_started: list[Request] = []
+        cut_short: list[Request] = []
+        for request in self.live_requests:
+            deadline = request.deadline
+            if deadline is None or now < deadline:
+                continue
+            started = request.status is RequestStatus.RUNNING or request.num_output_tokens > 0
+            self._finish(request, FinishReason.TIMEOUT)
+            (cut_short if started else never_started).append(request)
+        return never_started, cut_short
 
     # --- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -196,12 +218,16 @@ class Scheduler:
                 continue
             target = request.num_computed_tokens + num_tokens
             while not self.block_manager.can_allocate(request, target):
-                victim = self.running[-1]
+                victim = self.fair_share.pick_victim(self.running)
+                victim_index = self.running.index(victim)
+                if victim_index < index:  # scheduled earlier in this step: take its chunk back
+                    budget += self._unschedule(victim, chunks)
+                    index -= 1
                 self._preempt(victim, trace)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
-                break  # the request preempted itself: nothing after it is running any more
+                continue  # it preempted itself: the next one now stands at `index`
             spare = budget - num_tokens - (len(self.running) - index - 1)
             drafts = self._drafts_that_fit(request, num_tokens, spare)
             self.block_manager.allocate(request, target + len(drafts))
@@ -209,6 +235,13 @@ class Scheduler:
             budget -= num_tokens + len(drafts)
             index += 1
         return budget
+
+    @staticmethod
+    def _unschedule(request: Request, chunks: list[ScheduledChunk]) -> int:
+        """Removes `request`'s chunk of this step; returns its tokens to the budget."""
+        chunk = next(chunk for chunk in chunks if chunk.request is request)
+        chunks.remove(chunk)
+        return chunk.num_tokens
 
     def _drafts_that_fit(self, request: Request, num_tokens: int, spare: int) -> list[int]:
         """A decode's drafts ride along where `spare` budget (a token kept for each running
@@ -227,13 +260,14 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         trace.preempted.append(request.request_id)
+        self.fair_share.requeued(request)
         self._enqueue(request)
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], trace: StepTrace,
                        budget: int) -> None:
         reason = WaitReason.PREEMPTION if trace.preempted else None
         while self.waiting and reason is None:
-            request = self.waiting[0]
+            request = self.fair_share.pick_waiting(self.waiting)
             prefix = self.block_manager.cached_prefix(request)
             reason = self._why_not_admit(request, prefix, budget)
             if reason is None:
@@ -260,11 +294,13 @@ class Scheduler:
         return None
 
     def _admit(self, request: Request, prefix: CachedPrefix) -> None:
-        self.waiting.pop(0)
+        self.waiting.remove(request)
+        self.fair_share.left_queue(request)
         self.block_manager.take_prefix(request, prefix)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
             request.queue_time_s = time.monotonic() - request.queued_at
+            self.fair_share.charge_prefill(request, request.num_tokens - request.num_cached_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -276,7 +312,7 @@ class Scheduler:
                 trace.waited[request.request_id] = WaitReason.BATCH_CLOSED
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.fair_share.pick_waiting(self.waiting)
             prefix = self.block_manager.cached_prefix(request)
             if not self.block_manager.can_allocate(request, request.num_tokens, prefix):
                 break
@@ -306,6 +342,7 @@ class Scheduler:
                 if reason is not None:
                     del tokens[taken:]
                     break
+            self.fair_share.charge_decode(request, len(tokens))
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             self.block_manager.commit(request)
             if reason is not None:

@@ -73,6 +73,7 @@ class EngineServer:
                 self._announce_on_new_links()
                 self._drain_requests()
                 self._admit_constrained()
+                self._expire_deadlines()
                 if self.running and self.core.has_work:
                     was_busy = True
                     step_outputs = self.core.step()
@@ -86,6 +87,14 @@ class EngineServer:
         if self.core.num_awaiting_grammar:
             for error in self.core.admit_constrained():
                 self.outputs.send(encode(error))
+
+    def _expire_deadlines(self) -> None:
+        errors, finished = self.core.expire_deadlines()
+        for error in errors:
+            self.outputs.send(encode(error))
+        if finished is not None:
+            finished.stats.bad_frames_total = self.num_bad_frames
+            self.outputs.send(encode(finished))
 
     def _report_idle(self) -> None:
         """Going idle: check that no KV block leaked, and tell the frontend we are at rest."""

@@ -26,10 +26,12 @@ def distinct_prompt(request_id: str, length: int) -> list[int]:
 
 
 def make_request(request_id: str, prompt_len: int = 0, max_tokens: int = 4, priority: int = 0,
-                 prompt: list[int] | None = None, **sampling) -> Request:
+                 prompt: list[int] | None = None, tenant: str = "", tenant_weight: float = 1.0,
+                 timeout_s: float | None = None, **sampling) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
     tokens = prompt if prompt is not None else distinct_prompt(request_id, prompt_len)
-    return Request(request_id, tokens, params, priority=priority)
+    return Request(request_id, tokens, params, priority=priority, tenant=tenant,
+                   tenant_weight=tenant_weight, timeout_s=timeout_s)
 
 
 def run_step(scheduler: Scheduler) -> SchedulerOutput:

@@ -30,6 +30,8 @@ MESSAGES = [
                               stop_token_ids=[5], logit_bias={11: -100.0, 3: 2.5},
                               logprobs=2, ignore_eos=True, min_tokens=2),
                1.0, priority=-3),
+    AddRequest("req-4", [9], SamplingParams(), 2.0, tenant="team-a", tenant_weight=2.5,
+               timeout_s=1.5),
     AbortRequests(["a", "b"]),
     AbortRequests([]),
     Shutdown(),
@@ -46,6 +48,7 @@ MESSAGES = [
                           spec_decode_num_accepted_tokens_total=5,
                           spec_decode_accepted_by_position_total=[3, 2, 0])),
     RequestError("req-3", "prompt too long"),
+    RequestError("req-5", "never started", RequestError.DEADLINE_EXCEEDED),
 ]
 
 
@@ -58,6 +61,8 @@ def frame(*items) -> bytes:
     return msgpack.packb(list(items))
 
 
+NO_TENANT = ("", 1.0, None)  # an ADD's tenant, tenant weight and timeout when unset
+
 MALFORMED = {
     "not msgpack": b"\xc1\xc1\xc1",
     "truncated": encode(MESSAGES[1])[:-3],
@@ -68,16 +73,29 @@ MALFORMED = {
     "kind is a string": frame(PROTOCOL_VERSION, "ADD"),
     "missing fields": frame(PROTOCOL_VERSION, Kind.ADD, "id"),
     "extra fields": frame(PROTOCOL_VERSION, Kind.SHUTDOWN, 1),
-    "token ids not bytes": frame(PROTOCOL_VERSION, Kind.ADD, "id", [1, 2], {}, 0.0, 0),
-    "token ids odd length": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"\x01\x02\x03", {}, 0.0, 0),
-    "request id not str": frame(PROTOCOL_VERSION, Kind.ADD, 5, b"", {}, 0.0, 0),
-    "unknown sampling field": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {"bogus": 1}, 0.0, 0),
+    "token ids not bytes": frame(PROTOCOL_VERSION, Kind.ADD, "id", [1, 2], {}, 0.0, 0, *NO_TENANT),
+    "token ids odd length": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"\x01\x02\x03", {}, 0.0, 0,
+                                  *NO_TENANT),
+    "request id not str": frame(PROTOCOL_VERSION, Kind.ADD, 5, b"", {}, 0.0, 0, *NO_TENANT),
+    "unknown sampling field": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {"bogus": 1}, 0.0, 0,
+                                    *NO_TENANT),
     "invalid sampling value": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"",
-                                    {"max_tokens": 0}, 0.0, 0),
-    "sampling not a map": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", [1], 0.0, 0),
-    "priority is bool": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, True),
+                                    {"max_tokens": 0}, 0.0, 0, *NO_TENANT),
+    "sampling not a map": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", [1], 0.0, 0, *NO_TENANT),
+    "priority is bool": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, True, *NO_TENANT),
+    "tenant not str": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, 0, 7, 1.0, None),
+    "tenant name too long": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, 0, "t" * 257,
+                                  1.0, None),
+    "tenant weight zero": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, 0, "a", 0, None),
+    "tenant weight nan": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, 0, "a",
+                               float("nan"), None),
+    "timeout negative": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, 0, "", 1.0, -1.0),
+    "timeout infinite": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, 0, "", 1.0,
+                              float("inf")),
+    "timeout a string": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {}, 0.0, 0, "", 1.0, "1"),
     "priority_scheduling not bool": frame(PROTOCOL_VERSION, Kind.READY, "m", 1, 1, 1, [], 1, 1,
                                           PROTOCOL_VERSION),
+    "error code not str": frame(PROTOCOL_VERSION, Kind.ERROR, "id", "reason", 3),
     "abort ids not list": frame(PROTOCOL_VERSION, Kind.ABORT, "a"),
     "abort id not str": frame(PROTOCOL_VERSION, Kind.ABORT, [1]),
     "outputs entry short": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [["a"]], StepStats().to_wire()),
@@ -92,7 +110,8 @@ MALFORMED = {
     "embedding not float32s": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1,
                                     [["a", b"", "length", 0, None, None, b"\x00" * 6]],
                                     StepStats().to_wire()),
-    "unknown pooling": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {"pooling": "max"}, 0.0, 0),
+    "unknown pooling": frame(PROTOCOL_VERSION, Kind.ADD, "id", b"", {"pooling": "max"}, 0.0, 0,
+                             *NO_TENANT),
     "stats wrong size": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [], [1, 2]),
     "stats wrong type": frame(PROTOCOL_VERSION, Kind.OUTPUTS, 1, [],
                               ["x"] * len(StepStats.__slots__)),

@@ -17,13 +17,17 @@ each; the engine logs what it took and why.
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from common.config import EngineConfig
 from engine.platform.cpu import cpu_flags
+
+logger = logging.getLogger("loom.engine")
 
 GIB = 1024**3
 KV_SHARE_OF_MEMORY = 0.25
@@ -100,3 +104,22 @@ def rss_text() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def take_machine_defaults(config: EngineConfig, machine: Machine,
+                          device: torch.device) -> EngineConfig:
+    """The token budget and (on the CPU, one rank) the thread count from the machine where
+    the operator set none; one log line says which is which."""
+    taken = replace(config, max_num_batched_tokens=config.max_num_batched_tokens
+                    or machine.token_budget(device))
+    threads_set = "OMP_NUM_THREADS" in os.environ or config.tensor_parallel_size > 1
+    if device.type == "cpu" and not threads_set:
+        torch.set_num_threads(machine.threads)
+    kv = ("set" if config.kv_cache_memory or config.num_kv_blocks
+          else "80% of free CUDA memory" if device.type == "cuda"
+          else f"machine: {machine.kv_cache_bytes / 2**30:.1f} GiB at most")
+    logger.info("machine: %s; %d compute threads (%s), %d tokens per step (%s), KV cache "
+                "size (%s)", machine.describe(), torch.get_num_threads(),
+                "set" if threads_set else "machine", taken.max_num_batched_tokens,
+                "set" if config.max_num_batched_tokens else "machine", kv)
+    return taken
