@@ -27,7 +27,7 @@ from common.curve import SECRET_ENV, SecretMissing, load_secret
 from common.processes import core_slice, die_with_parent, env_for_cores
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
-from frontend.cli import API_KEY_ENV, add_frontend_args, positive_int
+from frontend.cli import API_KEY_ENV, add_frontend_args, check_tenant_args, positive_int
 
 STOP_TIMEOUT_S = 4.0
 ENGINE_READY_TIMEOUT_S = 600.0
@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--data-parallel-start-rank is for --headless engines")
     if args.node_rank > 0 and not args.headless:
         parser.error("--node-rank above 0 runs tensor-parallel ranks only: add --headless")
+    check_tenant_args(parser, args)
     return args
 
 
@@ -228,6 +229,9 @@ class Launcher:
                    "--tool-call-parser", self.args.tool_call_parser,
                    "--routing-policy", self.args.routing_policy,
                    "--pooling-type", self.args.pooling_type,
+                   *(["--tenants", os.path.abspath(self.args.tenants)]
+                     if self.args.tenants else []),
+                   *(["--admission-control"] if self.args.admission_control else []),
                    *(["--chat-template", self.args.chat_template]
                      if self.args.chat_template else [])]
         # The key travels in the environment: a command line is visible to every local user.

@@ -17,7 +17,7 @@ from prometheus_client import disable_created_metrics
 
 from common.protocol import FrameError, Ready
 from frontend.app import create_app
-from frontend.cli import add_frontend_args
+from frontend.cli import add_frontend_args, check_tenant_args
 from frontend.state import STATE, EngineAddress, FrontendSettings
 
 logger = logging.getLogger("loom.frontend")
@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give --requests-addr and --outputs-addr once per engine each")
     if args.engine_pid is not None and len(args.engine_pid) != len(args.requests_addr):
         parser.error("give --engine-pid once per engine, or not at all")
+    check_tenant_args(parser, args)
     return args
 
 
@@ -125,6 +126,8 @@ async def serve(args: argparse.Namespace) -> None:
         tool_call_parser=args.tool_call_parser,
         routing_policy=args.routing_policy,
         pooling_type=args.pooling_type,
+        tenants=args.tenant_table,
+        admission_control=args.admission_control,
     )
     app = create_app(settings, tokenizer)
     runner = web.AppRunner(

@@ -20,6 +20,7 @@ from frontend.openai_api import (
     log_finished,
     prepare_generations,
 )
+from frontend.request_policy import policy_of
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
 from frontend.state import STATE
 
@@ -36,7 +37,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     prompt_ids, tool_parser = await chat_prompt(state, parsed)
     reply = MessageReply(state.model_name, tool_parser)
     [generation] = prepare_generations(state, [prompt_ids], options, reply.message_id,
-                                       "messages", arrival)
+                                       "messages", arrival, policy_of(request))
     try:
         async with generation:
             if options.stream:

@@ -21,10 +21,12 @@ from frontend.engine_pool import EnginePool
 from frontend.engine_sentinel import watch_engine
 from frontend.errors import INVALID_REQUEST, APIError, internal_error
 from frontend.openai_api import create_chat_completion, create_completion
+from frontend.request_policy import request_policy_middleware
 from frontend.response_store import ResponseStore
 from frontend.responses_api import STORE, create_response, delete_response, get_response
 from frontend.router import Router
 from frontend.state import STATE, FrontendSettings, ServerState
+from frontend.tenant_gate import TenantGate
 from frontend.tokenization import TokenizerService
 from frontend.tokenize_api import detokenize, tokenize
 
@@ -36,9 +38,13 @@ ENGINE_SENTINELS = web.AppKey("loom_engine_sentinels", list)
 
 def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
     state = ServerState(settings=settings, tokenizer=TokenizerService(tokenizer))
+    state.metrics.step_listeners.append(state.queue_estimate.observe_step)
+    if settings.tenants is not None:
+        state.tenant_gate = TenantGate.create(settings.tenants, state.metrics.registry)
     middlewares = [error_middleware]
     if settings.api_key:
         middlewares.append(api_key_middleware(settings.api_key))
+    middlewares.append(request_policy_middleware(state.tenant_gate))
     middlewares += [state.drain.middleware(), body_limit_middleware(settings.max_body_bytes)]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[STATE] = state

@@ -29,6 +29,9 @@ def choice_requests(
     n: int,
     arrival_time: float,
     priority: int = 0,
+    tenant: str = "",
+    tenant_weight: float = 1.0,
+    timeout_s: float | None = None,
 ) -> list[AddRequest]:
     """Engine requests in choice-index order. A lone choice keeps the API request's id."""
     single = len(prompts) * n == 1
@@ -46,6 +49,9 @@ def choice_requests(
                     sample_params,
                     arrival_time,
                     priority,
+                    tenant,
+                    tenant_weight,
+                    timeout_s,
                 )
             )
     return requests

@@ -10,6 +10,7 @@ from common.config import add_chat_args
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
 from frontend.router import ROUTING_POLICIES
+from frontend.tenants import TenantsFileError, load_tenants
 
 API_KEY_ENV = "LOOM_API_KEY"
 
@@ -46,4 +47,29 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         type=str.lower,
                         help="how /v1/embeddings pools a prompt's final hidden states: the "
                              "last token's (vLLM's default for decoder models) or their mean")
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="a TOML file of tenants: each one's key (as its sha256), weight "
+                             "(its fair share of the engine) and limits (concurrent requests, "
+                             "prompt and output tokens per minute); keys not in it get 401. "
+                             "Exclusive with --api-key / $" + API_KEY_ENV + " (give every "
+                             "caller a tenant instead)")
+    parser.add_argument("--admission-control", action="store_true",
+                        help="refuse at once (503 + Retry-After) a request whose "
+                             "X-Request-Timeout deadline the queue cannot meet, as estimated "
+                             "from the engines' measured prompt rate")
     add_chat_args(parser)
+
+
+def check_tenant_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tenants: readable and valid now (a bad file fails at start, naming the field), and
+    not combined with --api-key."""
+    if args.tenants is None:
+        args.tenant_table = None
+        return
+    if args.api_key:
+        parser.error(f"--tenants and --api-key (or ${API_KEY_ENV}) are exclusive: give every "
+                     f"caller a tenant, with its key's sha256, in the tenants file")
+    try:
+        args.tenant_table = load_tenants(args.tenants)
+    except TenantsFileError as exc:
+        parser.error(str(exc))

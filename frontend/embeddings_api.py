@@ -23,6 +23,7 @@ from frontend.context_limit import ContextLimit
 from frontend.errors import APIError, invalid_param
 from frontend.openai_api import collect_all, engine_failure, prepare_generations
 from frontend.prompt_input import parse_prompts
+from frontend.request_policy import policy_of
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
 from frontend.schemas import GenerationOptions
 from frontend.state import STATE
@@ -62,7 +63,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     options = GenerationOptions(model=model, max_tokens=1, sampling_fields={
         "temperature": 0.0, "pooling": state.settings.pooling_type})
     generations = prepare_generations(state, prompts, options, f"embd-{uuid.uuid4().hex}",
-                                      "input", arrival)
+                                      "input", arrival, policy_of(request))
     try:
         async with contextlib.AsyncExitStack() as running:
             for generation in generations:

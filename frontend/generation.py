@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.protocol import AddRequest, FinishReason, RequestOutput
@@ -35,6 +35,9 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless requested
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    # Why it ended in the engine's words, where finish_reason had to say it in OpenAI's:
+    # "timeout" (its deadline passed; finish_reason "length")
+    native_finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +55,16 @@ class Usage:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationHooks:
+    """Who follows a generation: sent to the engine, first output back (or its end, whichever
+    comes first: called once), tokens generated."""
+
+    sent: Callable[[AddRequest], None] | None = None
+    started: Callable[[str], None] | None = None
+    generated: Callable[[int], None] | None = None
+
+
 class Generation:
     def __init__(
         self,
@@ -61,7 +74,9 @@ class Generation:
         stop: list[str],
         eos_token_ids: list[int],
         arrival: float | None = None,  # time.monotonic() of the API request
+        hooks: GenerationHooks | None = None,
     ) -> None:
+        self._hooks = hooks or GenerationHooks()
         self._engine = engine
         self._timer = RequestTimer(engine.metrics, len(request.prompt_token_ids),
                                    arrival or time.monotonic())
@@ -86,9 +101,17 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         self._outputs = self._engine.add(self._request)
+        if self._hooks.sent is not None:
+            self._hooks.sent(self._request)
         return self
 
+    def _started(self) -> None:
+        if self._hooks.started is not None:
+            self._hooks.started(self.request_id)
+            self._hooks = replace(self._hooks, started=None)
+
     async def __aexit__(self, *exc_info: object) -> None:
+        self._started()
         if self._outputs is not None:
             self._outputs.close()
             self._timer.finish(FinishReason.ABORT)  # unless it finished or failed before
@@ -100,7 +123,7 @@ class Generation:
             async with contextlib.aclosing(self._deltas(self._outputs)) as deltas:
                 async for delta in deltas:
                     if delta.finish_reason is not None:
-                        self._timer.finish(delta.finish_reason)
+                        self._timer.finish(delta.native_finish_reason or delta.finish_reason)
                     yield delta
         except (EngineUnavailableError, EngineRequestError):
             self._timer.finish(ERROR)
@@ -108,7 +131,10 @@ class Generation:
 
     async def _deltas(self, outputs: RequestStream) -> AsyncIterator[Delta]:
         async for output in outputs:
+            self._started()
             self._timer.tokens(len(output.new_token_ids), output.queue_time_s)
+            if self._hooks.generated is not None and output.new_token_ids:
+                self._hooks.generated(len(output.new_token_ids))
             self.usage.cached_tokens = output.num_cached_tokens
             if output.embedding is not None:
                 self.embedding = output.embedding
@@ -139,6 +165,9 @@ class Generation:
         matched = self._stop_strings.feed(text)
         if matched.stopped:
             return Delta(matched.text, FinishReason.STOP, logprobs, matched.stop)
+        if finish_reason == FinishReason.TIMEOUT:
+            return Delta(matched.text + self._stop_strings.flush(), FinishReason.LENGTH,
+                         logprobs, native_finish_reason=FinishReason.TIMEOUT)
         if finish_reason is not None:
             return Delta(matched.text + self._stop_strings.flush(), finish_reason, logprobs)
         if matched.text or logprobs:
@@ -176,7 +205,8 @@ class Generation:
             parts.append(delta.text)
             logprobs.extend(delta.logprobs)
             last = delta
-        return Delta("".join(parts), last.finish_reason, logprobs, last.stop_sequence)
+        return Delta("".join(parts), last.finish_reason, logprobs, last.stop_sequence,
+                     last.native_finish_reason)
 
 
 def one_token_each(output: RequestOutput) -> list[RequestOutput]:

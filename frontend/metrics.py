@@ -8,7 +8,7 @@ registry, so several apps in one process (tests) never share series.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -154,6 +154,8 @@ class LoomMetrics:
             "engine_prefix_cache_hits_total",
             "Prompt tokens found in this engine's prefix cache.", labels), per_engine=True)
         self._engine_stats: dict[int, StepStats] = {}
+        # Others that follow every engine frame's stats (frontend.deadline_admission).
+        self.step_listeners: list[Callable[[StepStats, int], None]] = []
 
     def _gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
         return Gauge(PREFIX + name, documentation, labels, registry=self.registry)
@@ -168,6 +170,8 @@ class LoomMetrics:
         """One engine's frame: its own series, and the sums over every engine's latest."""
         self._engine_stats[engine] = stats
         self._set_sums()
+        for listener in self.step_listeners:
+            listener(stats, engine)
         prompt_tokens = max(stats.num_prompt_tokens, 0)
         generation_tokens = max(stats.num_generation_tokens, 0)
         self.prompt_tokens.inc(prompt_tokens)

@@ -16,10 +16,13 @@ from aiohttp import web
 from frontend.body_reader import parse_json_object
 from frontend.choices import choice_requests, total_usage
 from frontend.context_limit import ContextLimit
+from frontend.deadline_admission import PendingPrompt
 from frontend.errors import APIError, engine_unavailable, invalid_param, shutting_down
-from frontend.generation import Delta, Generation
+from frontend.generation import Delta, Generation, GenerationHooks
 from frontend.logprobs_format import ChatLogprobs, CompletionLogprobs
+from frontend.request_policy import RequestPolicy, deadline_exceeded, policy_of
 from frontend.request_stream import (
+    DeadlineExceededError,
     EngineBusyError,
     EngineRequestError,
     EngineUnavailableError,
@@ -127,7 +130,7 @@ async def _generate(
 ) -> web.StreamResponse:
     prompt_param = "messages" if isinstance(response_format, ChatFormat) else "prompt"
     generations = prepare_generations(state, prompts, options, response_format.request_id,
-                                      prompt_param, arrival)
+                                      prompt_param, arrival, policy_of(request))
     try:
         async with contextlib.AsyncExitStack() as running:
             for generation in generations:
@@ -145,9 +148,12 @@ async def _generate(
 
 def prepare_generations(state: ServerState, prompts: list[list[int]],
                         options: GenerationOptions, request_id: str, prompt_param: str,
-                        arrival: float) -> list[Generation]:
+                        arrival: float, policy: RequestPolicy | None = None,
+                        ) -> list[Generation]:
     """One Generation per choice, routed to one engine and admitted: enter them (`async
-    with`) before the next await, so that the admission estimate cannot go stale."""
+    with`) before the next await, so that the admission estimate cannot go stale. `policy`:
+    the request's tenant (its prompt tokens are taken from its budget here) and deadline."""
+    policy = policy or RequestPolicy()
     engines, info = state.ready_engine()
     if options.priority != 0 and not info.priority_scheduling:
         raise invalid_param("priority", "Request priorities need a server started with "
@@ -159,18 +165,27 @@ def prepare_generations(state: ServerState, prompts: list[list[int]],
             raise invalid_param(prompt_param, "The prompt is empty after tokenization.")
         max_tokens = limit.max_tokens_for(len(prompt_ids), options.max_tokens, prompt_param)
         sampling.append(options.sampling_params(max_tokens))
+    timeout_s = policy.remaining_s()
     engine_requests = choice_requests(request_id, prompts, sampling, options.n, time.time(),
-                                      options.priority)
+                                      options.priority, policy.tenant_name,
+                                      policy.tenant_weight, timeout_s)
     try:
         engine = engines.route(prompts)  # every prompt and choice of a request on one engine
     except EngineUnavailableError as exc:
         raise engine_failure(exc) from exc
+    queue = state.queue_estimate
+    hooks = GenerationHooks(queue.sent, queue.started, policy.generated)
     generations = [
         Generation(engine, state.tokenizer.tokenizer, engine_request, options.stop,
-                   info.eos_token_ids, arrival)
+                   info.eos_token_ids, arrival, hooks)
         for engine_request in engine_requests
     ]  # fmt: skip
     state.admission.admit(engines, len(engine_requests))
+    num_prompt_tokens = sum(map(len, prompts))
+    if state.settings.admission_control:
+        queue.check(PendingPrompt(policy.tenant_name, policy.tenant_weight, num_prompt_tokens),
+                    timeout_s)
+    policy.take_prompt_tokens(num_prompt_tokens)
     return generations
 
 
@@ -220,6 +235,8 @@ async def _stream(
 
 
 def engine_failure(exc: Exception) -> APIError:
+    if isinstance(exc, DeadlineExceededError):
+        return deadline_exceeded(f"The request's deadline passed: {exc}.")
     if isinstance(exc, EngineRequestError):
         return APIError(f"The engine refused the request: {exc}", code="request_refused")
     if isinstance(exc, ShuttingDownError):

@@ -31,6 +31,10 @@ class EngineRequestError(RuntimeError):
     """The engine rejected or failed one request."""
 
 
+class DeadlineExceededError(EngineRequestError):
+    """The request's deadline passed while it waited in the engine's queue: never started."""
+
+
 @dataclass(frozen=True, slots=True)
 class StreamFailure:
     """Queue item: the request ends with an error without the engine finishing it."""
@@ -77,6 +81,8 @@ class RequestStream:
             raise item.error
         if isinstance(item, RequestError):
             self.finished = True
+            if item.code == RequestError.DEADLINE_EXCEEDED:
+                raise DeadlineExceededError(item.reason)
             raise EngineRequestError(item.reason)
         assert isinstance(item, RequestOutput)
         output = item

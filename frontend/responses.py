@@ -63,15 +63,16 @@ class CompletionFormat:
     def _echoed(self, index: int, delta: Delta) -> Delta:
         if self.echo is None:
             return delta
-        return Delta(self.echo[index] + delta.text, delta.finish_reason, delta.logprobs)
+        return Delta(self.echo[index] + delta.text, delta.finish_reason, delta.logprobs,
+                     native_finish_reason=delta.native_finish_reason)
 
     def _choice(self, index: int, delta: Delta) -> dict[str, Any]:
-        return {
+        return with_native_reason({
             "index": index,
             "text": delta.text,
             "logprobs": None if self.logprobs is None else self.logprobs.format(delta.logprobs),
             "finish_reason": delta.finish_reason,
-        }
+        }, delta)
 
 
 @dataclass(slots=True)
@@ -117,7 +118,8 @@ class ChatFormat:
         message = _delta_message(piece.content, first)
         if piece.deltas:
             message["tool_calls"] = [call_delta.to_openai() for call_delta in piece.deltas]
-        shown = Delta(delta.text, finish_reason, logprobs)
+        shown = Delta(delta.text, finish_reason, logprobs,
+                      native_finish_reason=delta.native_finish_reason)
         return self._chunk([self._choice(index, "delta", message, shown)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -144,17 +146,26 @@ class ChatFormat:
                    "tool_calls": [call.to_openai() for call in piece.calls]}
         finish_reason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
         return self._choice(index, "message", message,
-                            Delta(result.text, finish_reason, result.logprobs))
+                            Delta(result.text, finish_reason, result.logprobs,
+                                  native_finish_reason=result.native_finish_reason))
 
     def _choice(
         self, index: int, key: str, message: dict[str, Any], delta: Delta
     ) -> dict[str, Any]:
-        return {
+        return with_native_reason({
             "index": index,
             key: message,
             "logprobs": None if self.logprobs is None else self.logprobs.format(delta.logprobs),
             "finish_reason": delta.finish_reason,
-        }
+        }, delta)
+
+
+def with_native_reason(choice: dict[str, Any], delta: Delta) -> dict[str, Any]:
+    """OpenRouter's `native_finish_reason` beside OpenAI's `finish_reason`, where they differ
+    (a deadline: "timeout" beside "length")."""
+    if delta.native_finish_reason is not None:
+        choice["native_finish_reason"] = delta.native_finish_reason
+    return choice
 
 
 def _assistant(text: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from frontend.openai_api import (
     log_finished,
     prepare_generations,
 )
+from frontend.request_policy import policy_of
 from frontend.request_stream import EngineBusyError, EngineRequestError, EngineUnavailableError
 from frontend.response_store import ResponseStore, StoredResponse
 from frontend.responses_input import chat_body
@@ -55,7 +56,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     prompt_ids, tool_parser = await chat_prompt(state, parsed)
     reply = ResponseReply(body, state.model_name, tool_parser)
     [generation] = prepare_generations(state, [prompt_ids], options, reply.response_id,
-                                       "input", arrival)
+                                       "input", arrival, policy_of(request))
     try:
         async with generation:
             if options.stream:

@@ -10,10 +10,13 @@ from aiohttp import web
 from common.protocol import Ready
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS, Admission
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
+from frontend.deadline_admission import QueueEstimate
 from frontend.drain import Drain
 from frontend.engine_pool import EnginePool
 from frontend.errors import engine_unavailable, model_not_found
 from frontend.metrics import LoomMetrics
+from frontend.tenant_gate import TenantGate
+from frontend.tenants import TenantTable
 from frontend.tokenization import TokenizerService
 
 
@@ -35,6 +38,8 @@ class FrontendSettings:
     tool_call_parser: str = "hermes"  # how tool calls are read out of replies
     routing_policy: str = "cache_aware"  # frontend.router, with several engines
     pooling_type: str = "last"  # how /v1/embeddings pools a prompt's states (engine.pooling)
+    tenants: TenantTable | None = None  # --tenants: keys, weights and limits (frontend.tenants)
+    admission_control: bool = False  # refuse requests whose deadline the queue cannot meet
 
 
 @dataclass(slots=True)
@@ -45,6 +50,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: LoomMetrics = field(default_factory=LoomMetrics)
     drain: Drain = field(default_factory=Drain)
+    tenant_gate: TenantGate | None = None  # set with --tenants
+    queue_estimate: QueueEstimate = field(default_factory=QueueEstimate)
 
     @property
     def model_name(self) -> str:

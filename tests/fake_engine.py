@@ -217,7 +217,9 @@ class FakeEngine:
 class FrontendHarness:
     """The real frontend app on 127.0.0.1 (random port) in front of a FakeEngine."""
 
-    def __init__(self, tokenizer: Any, engine_info_known: bool = True) -> None:
+    def __init__(self, tokenizer: Any, engine_info_known: bool = True,
+                 **settings: Any) -> None:
+        """`settings`: FrontendSettings fields beyond the engine's (tenants, say)."""
         self.tokenizer = tokenizer
         self.info = engine_info(tokenizer)
         self.endpoints = Endpoints.private_ipc()
@@ -226,6 +228,7 @@ class FrontendHarness:
             MODEL_NAME,
             [EngineAddress(self.endpoints.requests, self.endpoints.outputs)],
             self.info if engine_info_known else None,
+            **settings,
         )
         self.app = create_app(settings, tokenizer)
         self.server = TestServer(self.app, host="127.0.0.1")
