@@ -111,6 +111,7 @@ class FakeEngine:
     # The tokens to answer a request with, cycled when shorter than max_tokens.
     reply: Callable[[AddRequest], list[int]] = lambda request: [5, 6, 7]
     refuse: Callable[[AddRequest], str | None] = lambda request: None
+    refusal_code: str = ""  # the RequestError code refusals carry
     # A token's logprobs entry, for requests that ask for logprobs.
     logprobs: Callable[[int, int], list[Any]] = fake_logprobs
     adds: list[AddRequest] = field(default_factory=list)
@@ -175,7 +176,8 @@ class FakeEngine:
             self.adds.append(message)
             reason = self.refuse(message)
             if reason is not None:
-                self._errors.append(RequestError(message.request_id, reason))
+                self._errors.append(RequestError(message.request_id, reason,
+                                                 self.refusal_code))
             else:
                 self._running[message.request_id] = _Running(message, self.reply(message))
         elif isinstance(message, AbortRequests):
