@@ -141,7 +141,7 @@ async def _generate(
     except (EngineUnavailableError, EngineBusyError, EngineRequestError) as exc:
         raise engine_failure(exc) from exc
     for generation, result in zip(generations, results, strict=True):
-        log_finished(generation, result.finish_reason)
+        log_finished(generation, result.native_finish_reason or result.finish_reason)
     usage = total_usage([generation.usage for generation in generations], options.n)
     return web.json_response(response_format.body(results, usage))
 
