@@ -1,0 +1,190 @@
+"""Several tenants at once against one server: does a light tenant keep its latency while a
+heavy one floods, and do weights split the output?
+
+    python -m bench.tenants --base-url http://127.0.0.1:8000 \\
+        --tenant heavy:sk-heavy:8 --tenant light:sk-light:0.4 \\
+        [--duration 60] [--input-len 256] [--output-len 128] [--endpoint /v1/completions]
+        [--save-json F]
+
+`--tenant NAME:KEY:RATE` (repeated): that tenant sends requests with `Authorization: Bearer
+KEY`, Poisson arrivals of RATE requests per second, for --duration seconds (RATE `inf`: all at
+once, --burst requests each). Against a server started with --tenants the keys pick the
+tenants; against one without (FCFS, any key) the same run gives the baseline beside it. The
+report gives, per tenant: requests done, refused (HTTP status counts), TTFT p50 / p99,
+output tokens (the server's usage counts) and its share of all output tokens.
+
+To measure issue 32's fairness figures: find the server's capacity C (requests/s that
+bench.serve sustains), then run heavy at 4C and light at 0.2C against `--tenants` and
+against FCFS, and light alone; for the weight split, two tenants of weights 2 and 1 both
+above C, whose output shares should come out 2:1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.metrics import Distribution, RequestRecord
+from bench.run_result import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from bench.serve import STREAM_READ_TIMEOUT_S, arrival_offsets, served_model, stream_one
+
+PROMPT_WORD = "loom "  # about one token each with most tokenizers
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLoad:
+    name: str
+    key: str
+    rate: float  # requests per second; inf: a burst at the start
+
+    @classmethod
+    def parse(cls, text: str) -> TenantLoad:
+        name, _, rest = text.partition(":")
+        key, _, rate_text = rest.rpartition(":")
+        try:
+            rate = float(rate_text)
+        except ValueError:
+            rate = math.nan
+        if not name or not key or not rate > 0:
+            raise argparse.ArgumentTypeError(
+                f"--tenant wants NAME:KEY:RATE (RATE requests/s above 0, or inf), got {text!r}")
+        return cls(name, key, rate)
+
+
+@dataclass(slots=True)
+class TenantReport:
+    name: str
+    rate: float
+    completed: int
+    refused: dict[str, int]  # "HTTP 429" -> count
+    ttft_ms: Distribution
+    output_tokens: int
+    output_share: float = 0.0  # of every tenant's output tokens
+
+    @classmethod
+    def of(cls, load: TenantLoad, records: list[RequestRecord]) -> TenantReport:
+        done = [record for record in records if record.success]
+        refused = Counter((record.error or "").split(":")[0] for record in records
+                          if not record.success)
+        return cls(load.name, load.rate, len(done), dict(refused),
+                   Distribution.of_seconds([r.ttft for r in done if r.ttft is not None]),
+                   sum(r.usage_output_tokens or 0 for r in done))
+
+
+def with_shares(reports: list[TenantReport]) -> list[TenantReport]:
+    total = sum(report.output_tokens for report in reports)
+    for report in reports:
+        report.output_share = report.output_tokens / total if total else 0.0
+    return reports
+
+
+def format_reports(reports: list[TenantReport], duration_s: float) -> str:
+    lines = [f"{'tenant':<16}{'rate/s':>8}{'done':>7}{'refused':>18}{'TTFT p50 ms':>13}"
+             f"{'TTFT p99 ms':>13}{'out tok':>10}{'out tok/s':>11}{'share':>8}"]
+    for report in reports:
+        refused = ", ".join(f"{k}: {v}" for k, v in sorted(report.refused.items())) or "-"
+        ttft = report.ttft_ms
+        lines.append(
+            f"{report.name:<16}{report.rate:>8g}{report.completed:>7}{refused:>18}"
+            f"{_ms(ttft.median):>13}{_ms(ttft.p99):>13}{report.output_tokens:>10}"
+            f"{report.output_tokens / duration_s if duration_s else 0:>11.1f}"
+            f"{report.output_share:>8.1%}")
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+@dataclass(slots=True)
+class TenantRun:
+    load: TenantLoad
+    records: list[RequestRecord] = field(default_factory=list)
+
+
+async def run_tenant(run: TenantRun, url: str, body: dict[str, Any], duration_s: float,
+                     burst: int, seed: int, chat: bool) -> None:
+    count = burst if math.isinf(run.load.rate) else max(1, round(run.load.rate * duration_s))
+    offsets = arrival_offsets(count, run.load.rate, 1.0, seed)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=STREAM_READ_TIMEOUT_S)
+    headers = {"Authorization": f"Bearer {run.load.key}"}
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers,
+                                     connector=connector) as session:
+        origin = time.perf_counter()
+        tasks = []
+        for offset in offsets:
+            delay = origin + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            record = RequestRecord(0, body["max_tokens"])
+            run.records.append(record)
+            tasks.append(asyncio.create_task(stream_one(session, url, body, record, chat)))
+        await asyncio.gather(*tasks)
+
+
+async def run_all(args: argparse.Namespace) -> tuple[list[TenantReport], float]:
+    chat = args.endpoint == CHAT_ENDPOINT
+    first_key = {"Authorization": f"Bearer {args.tenant[0].key}"}  # /v1/models needs one
+    async with aiohttp.ClientSession(headers=first_key) as session:
+        model = args.model or await served_model(session, args.base_url)
+    prompt = PROMPT_WORD * args.input_len
+    body: dict[str, Any] = {"model": model, "max_tokens": args.output_len, "stream": True,
+                            "temperature": 0.0, "ignore_eos": args.ignore_eos,
+                            "stream_options": {"include_usage": True}}
+    body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    runs = [TenantRun(load) for load in args.tenant]
+    started = time.perf_counter()
+    await asyncio.gather(*(run_tenant(run, args.base_url + args.endpoint, body, args.duration,
+                                      args.burst, args.seed + index, chat)
+                           for index, run in enumerate(runs)))
+    duration = time.perf_counter() - started
+    return with_shares([TenantReport.of(run.load, run.records) for run in runs]), duration
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.tenants",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tenant", type=TenantLoad.parse, action="append", required=True,
+                        metavar="NAME:KEY:RATE")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument("--burst", type=int, default=64, help="requests of an inf-rate tenant")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--endpoint", default=COMPLETIONS_ENDPOINT,
+                        choices=(COMPLETIONS_ENDPOINT, CHAT_ENDPOINT))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    names = [load.name for load in args.tenant]
+    if len(set(names)) != len(names):
+        parser.error(f"tenant names repeat: {names}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reports, duration = asyncio.run(run_all(args))
+    print(format_reports(reports, duration))
+    if args.save_json is not None:
+        args.save_json.write_text(json.dumps({"duration_s": duration,
+                                              "tenants": [asdict(r) for r in reports]},
+                                             indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""bench.tenants: its --tenant parsing, its per-tenant report, and a short run against the
+frontend app (tenants file, fake engine) that counts each tenant's requests and refusals."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+
+import pytest
+
+from bench.metrics import RequestRecord
+from bench.tenants import TenantLoad, TenantReport, format_reports, parse_args, run_all, with_shares
+from frontend.tenants import parse_tenants
+from tests.fake_engine import FrontendHarness
+from tests.test_tenants import GOOD, KEY_A, KEY_B
+
+
+def test_tenant_specs_parse_and_bad_ones_are_refused():
+    assert TenantLoad.parse("heavy:sk-1:8") == TenantLoad("heavy", "sk-1", 8.0)
+    assert TenantLoad.parse("a:key:with:colons:0.5") == TenantLoad("a", "key:with:colons", 0.5)
+    assert math.isinf(TenantLoad.parse("burst:k:inf").rate)
+    for bad in ("heavy", "heavy:sk", ":sk:1", "a::1", "a:k:0", "a:k:-2", "a:k:fast", "a:k:nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            TenantLoad.parse(bad)
+    with pytest.raises(SystemExit):
+        parse_args(["--tenant", "a:k:1", "--tenant", "a:j:2"])
+
+
+def record(ttft_s: float | None, output_tokens: int, error: str | None = None) -> RequestRecord:
+    done = RequestRecord(10, 16, start=1.0, end=2.0, success=error is None, error=error,
+                         usage_output_tokens=output_tokens)
+    if ttft_s is not None:
+        done.chunk_times = [1.0 + ttft_s]
+    return done
+
+
+def test_the_report_gives_ttft_refusals_and_output_shares():
+    heavy = TenantReport.of(TenantLoad("heavy", "k", 8), [
+        record(0.5, 30), record(1.5, 30), record(None, 0, "HTTP 429: Rate limit reached"),
+        record(None, 0, "HTTP 429: Rate limit reached"), record(None, 0, "HTTP 504: late")])
+    light = TenantReport.of(TenantLoad("light", "j", 0.4), [record(0.1, 15)])
+    reports = with_shares([heavy, light])
+    assert heavy.completed == 2 and heavy.refused == {"HTTP 429": 2, "HTTP 504": 1}
+    assert heavy.ttft_ms.median == pytest.approx(1000.0)
+    assert (heavy.output_share, light.output_share) == (pytest.approx(0.8), pytest.approx(0.2))
+    text = format_reports(reports, 10.0)
+    assert "HTTP 429: 2, HTTP 504: 1" in text and "80.0%" in text and "100.0" in text
+
+
+async def test_a_short_run_counts_each_tenants_requests_and_refusals(tokenizer):
+    table = parse_tenants(tomllib.loads(GOOD))  # team-a: 2 concurrent at most
+    async with FrontendHarness(tokenizer, tenants=table) as harness:
+        harness.reply_with("one two three", eos=False)
+        harness.engine.step_interval_s = 0.02  # 8 tokens: 0.16 s, so team-a's burst collides
+        args = parse_args(["--base-url", str(harness.server.make_url("")).rstrip("/"),
+                           "--tenant", f"team-a:{KEY_A}:inf", "--burst", "6",
+                           "--tenant", f"team-b:{KEY_B}:inf", "--burst", "6",
+                           "--output-len", "8", "--input-len", "4"])
+        reports, duration = await run_all(args)
+    by_name = {report.name: report for report in reports}
+    assert by_name["team-b"].completed == 6 and by_name["team-b"].refused == {}
+    team_a = by_name["team-a"]
+    assert team_a.refused.get("HTTP 429", 0) >= 1 and team_a.completed >= 2
+    assert team_a.completed + team_a.refused["HTTP 429"] == 6
+    assert by_name["team-b"].output_tokens == 6 * 8 and duration > 0
