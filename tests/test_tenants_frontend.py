@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from common.protocol import FinishReason, RequestError, RequestOutput, StepOutputs
+from common.protocol import FinishReason, RequestError, RequestOutput, StepOutputs, StepStats
+from frontend.state import STATE
 from frontend.tenants import parse_tenants
 from tests.fake_engine import MODEL_NAME, FrontendHarness
 from tests.test_tenants import GOOD, KEY_A, KEY_B
@@ -129,3 +130,21 @@ async def test_without_tenants_any_key_passes_and_no_tenant_series_appear(harnes
     choice = (await response.json())["choices"][0]
     assert "native_finish_reason" not in choice
     assert "tenant_" not in await (await harness.client.get("/metrics")).text()
+
+
+async def test_admission_control_refuses_what_the_queue_cannot_start_in_time(tokenizer):
+    async with FrontendHarness(tokenizer, admission_control=True) as harness:
+        queue = harness.app[STATE].queue_estimate
+        for _ in range(4):  # measured: 10 prompt tokens a second while requests waited
+            queue.observe_step(StepStats(num_waiting=1, num_prompt_tokens=1, step_time_s=0.1))
+        refused = await harness.client.post(CHAT, json=chat(),
+                                            headers={"X-Request-Timeout": "0.5"})
+        assert refused.status == 503 and int(refused.headers["Retry-After"]) >= 1
+        error = (await refused.json())["error"]
+        assert error["code"] == "deadline_unattainable" and "deadline" in error["message"]
+        assert harness.engine.adds == []
+        # The same request with time enough, or with no deadline, is served.
+        for headers in ({"X-Request-Timeout": "600"}, {}):
+            response = await harness.client.post(CHAT, json=chat(), headers=headers)
+            assert response.status == 200, await response.text()
+        assert queue.pending == {}  # each left the estimate once its output came back
