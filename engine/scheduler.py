@@ -238,8 +238,11 @@ class Scheduler:
 
     @staticmethod
     def _unschedule(request: Request, chunks: list[ScheduledChunk]) -> int:
-        """Removes `request`'s chunk of this step; returns its tokens to the budget."""
-        chunk = next(chunk for chunk in chunks if chunk.request is request)
+        """Removes `request`'s chunk of this step, if it got one; returns its tokens to the
+        budget."""
+        chunk = next((chunk for chunk in chunks if chunk.request is request), None)
+        if chunk is None:  # it had waited for budget (a whole prompt, chunking off)
+            return 0
         chunks.remove(chunk)
         return chunk.num_tokens
 
