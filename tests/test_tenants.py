@@ -3,6 +3,7 @@ the 401/429 bodies, the deadline header and the admission estimate."""
 
 from __future__ import annotations
 
+import time
 import tomllib
 
 import pytest
@@ -12,7 +13,7 @@ from common.protocol import AddRequest, StepStats
 from common.sampling import SamplingParams
 from frontend.deadline_admission import PendingPrompt, QueueEstimate
 from frontend.errors import APIError
-from frontend.request_policy import parse_timeout
+from frontend.request_policy import RequestPolicy, parse_timeout
 from frontend.tenant_gate import TenantGate
 from frontend.tenant_limits import TenantUsage
 from frontend.tenants import Tenant, TenantsFileError, key_digest, load_tenants, parse_tenants
@@ -222,3 +223,13 @@ def test_the_admission_estimate_counts_the_prompts_fair_share_serves_first():
     queue.started("a1")
     assert queue.tokens_ahead(mine) == 300
     queue.check(mine, None)  # no deadline: never refused
+
+
+def test_a_deadline_already_past_before_sending_is_a_504_and_the_rest_is_time_left():
+    now = time.monotonic()
+    assert RequestPolicy(deadline=now + 30.0, timeout_s=30.0).remaining_s() <= 30.0
+    assert RequestPolicy().remaining_s() is None
+    with pytest.raises(APIError) as error:
+        RequestPolicy(deadline=now - 0.1, timeout_s=2.0).remaining_s()
+    assert error.value.status == 504 and error.value.code == "deadline_exceeded"
+    assert "X-Request-Timeout" in error.value.message
