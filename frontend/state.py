@@ -10,6 +10,11 @@ from aiohttp import web
 from common.protocol import Ready
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS, Admission
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
+from frontend.connection_limits import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+)
 from frontend.drain import Drain
 from frontend.engine_pool import EnginePool
 from frontend.errors import engine_unavailable, model_not_found
@@ -35,6 +40,9 @@ class FrontendSettings:
     tool_call_parser: str = "hermes"  # how tool calls are read out of replies
     routing_policy: str = "cache_aware"  # frontend.router, with several engines
     pooling_type: str = "last"  # how /v1/embeddings pools a prompt's states (engine.pooling)
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass(slots=True)
