@@ -32,6 +32,7 @@ class Phase(enum.Enum):
     WAITING = "waiting"  # for the first byte of the next request
     RECEIVING = "receiving"  # a request's bytes are arriving; its headers are not all in
     HANDLING = "handling"  # the app has the request (the body may still be arriving)
+    DRAINING = "draining"  # answered before its body was read: aiohttp drops the rest, closes
     CLOSING = "closing"  # answered by the guard, closing
 
 
@@ -134,9 +135,21 @@ class GuardedProtocol(asyncio.Protocol):
         if self.phase is not Phase.CLOSING:
             self.phase = Phase.HANDLING
 
-    def request_finished(self) -> None:
-        if self.phase is Phase.HANDLING and self.transport is not None:
+    def request_finished(self, body_read: bool) -> None:
+        if self.phase is not Phase.HANDLING or self.transport is None:
+            return
+        if body_read:
             self._wait_for_request()
+        else:  # what still comes is that body, not a next request: no clock of its own
+            self.phase = Phase.DRAINING
+            self._arm(self.guard.limits.keep_alive_timeout_s + self.guard.limits.linger_s,
+                      self._drain_expired)
+
+    def _drain_expired(self) -> None:
+        self._timer = None
+        if self.phase is Phase.DRAINING and self.transport is not None:
+            self.phase = Phase.CLOSING
+            self.transport.close()
 
     def _wait_for_request(self) -> None:
         self.phase = Phase.WAITING
@@ -191,7 +204,7 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     finally:
-        protocol.request_finished()
+        protocol.request_finished(body_read=request.content.at_eof())
 
 
 

@@ -38,7 +38,7 @@ READ_TIMEOUT_S = 0.6
 KEEP_ALIVE_S = 0.6
 STREAM_S = 3 * (READ_TIMEOUT_S + KEEP_ALIVE_S)  # a stream that outlasts both limits
 SLACK_S = 1.5  # timers and a busy shared CPU
-LINGER_S = 0.5
+LINGER_S = 1.0  # longer than the read timeout: what comes while lingering is no request
 HEAD = b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
 
 
@@ -79,7 +79,7 @@ async def serve(max_connections: int = 64) -> AsyncIterator[Served]:
     app.router.add_post("/echo", echo)
     app.router.add_post("/v1/messages", echo)
     app.router.add_get("/stream", slow_stream)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1,
                            keepalive_timeout=60, lingering_time=LINGER_S)
     await runner.setup()
     site = GuardedSite(runner, "127.0.0.1", 0, guard)
@@ -118,20 +118,17 @@ def parse(raw: bytes) -> tuple[int, dict[str, str], dict]:
 
 async def trickle(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
                   pace_s: float, limit_s: float) -> bytes:
-    """One byte every pace_s until the server answers and closes (its whole answer)."""
-    async with asyncio.timeout(limit_s):
-        while True:
-            try:
-                writer.write(b"x")
-                await writer.drain()
-            except ConnectionError:
-                pass  # closed on us: its answer is in the reader
-            try:
-                async with asyncio.timeout(pace_s):
-                    chunk = await reader.read(65536)
-            except TimeoutError:
-                continue
-            return chunk + await reader.read()
+    """One byte every pace_s, on after the answer begins, until the server closes; returns
+    all it sent."""
+    answer = asyncio.ensure_future(read_until_closed(reader, limit_s))
+    while not answer.done():
+        try:
+            writer.write(b"x")
+            await writer.drain()
+        except ConnectionError:
+            pass  # closed on us: its answer is in the reader
+        await asyncio.wait([answer], timeout=pace_s)
+    return answer.result()
 
 
 async def test_headers_that_trickle_get_a_408_and_the_connection_closed(served: Served):
