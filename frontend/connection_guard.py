@@ -48,6 +48,9 @@ class ConnectionGuard:
         def make_protocol() -> asyncio.Protocol:
             if self.open_connections >= self.limits.max_connections:
                 return self._refusal()
+            # Counted now, not when the connection is made: asyncio accepts a burst of
+            # connections before it makes any of them.
+            self.opened()
             return GuardedProtocol(self, make_handler())
 
         return make_protocol
@@ -95,7 +98,6 @@ class GuardedProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.guard.opened()
         self._wait_for_request()
         self.inner.connection_made(transport)
 

@@ -230,6 +230,18 @@ async def test_connections_over_the_cap_get_a_503_and_are_closed(capped: Served)
         held_writer.close()
 
 
+async def test_a_burst_of_connections_gets_no_more_than_the_cap(capped: Served):
+    connections = await asyncio.gather(*(capped.connect() for _ in range(12)))
+
+    async def refused(reader: asyncio.StreamReader) -> bool:
+        return await read_until_closed(reader, KEEP_ALIVE_S + SLACK_S) != b""
+
+    answers = await asyncio.gather(*(refused(reader) for reader, _ in connections))
+    assert sum(answers) == 12 - 3
+    for _, writer in connections:
+        writer.close()
+
+
 async def test_a_refusal_whose_client_sends_a_request_still_reads_its_503(capped: Served):
     held = [await capped.connect() for _ in range(3)]
     await wait_for(lambda: capped.guard.open_connections == 3)
