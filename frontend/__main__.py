@@ -16,8 +16,11 @@ from aiohttp import web
 from prometheus_client import disable_created_metrics
 
 from common.protocol import FrameError, Ready
-from frontend.app import create_app
+from frontend.app import GUARD, create_app
 from frontend.cli import add_frontend_args, check_tenant_args
+from frontend.connection_guard import GuardedSite
+from frontend.connection_limits import connection_cap, raise_descriptor_limit
+from frontend.raw_reply import LINGER_S
 from frontend.state import STATE, EngineAddress, FrontendSettings
 
 logger = logging.getLogger("loom.frontend")
@@ -128,18 +131,27 @@ async def serve(args: argparse.Namespace) -> None:
         pooling_type=args.pooling_type,
         tenants=args.tenant_table,
         admission_control=args.admission_control,
+        request_read_timeout_s=args.request_read_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        max_connections=connection_cap(args.max_connections, raise_descriptor_limit()),
     )
     app = create_app(settings, tokenizer)
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_GRACE_S
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_GRACE_S,
+        # aiohttp's own idle close only backs up the guard's, which comes first
+        keepalive_timeout=args.keep_alive_timeout + args.request_read_timeout,
+        lingering_time=LINGER_S,
     )
     await runner.setup()
     try:
         if stop.is_set():
             return
-        site = web.TCPSite(runner, args.host, args.port)
+        site = GuardedSite(runner, args.host, args.port, app[GUARD])
         await site.start()
-        logger.info("serving %s on http://%s:%d", served_name, args.host, args.port)
+        logger.info("serving %s on http://%s:%d (at most %d connections; requests must "
+                    "arrive within %g s, idle connections close after %g s)", served_name,
+                    args.host, args.port, settings.max_connections, args.request_read_timeout,
+                    args.keep_alive_timeout)
         await stop.wait()
         await drain(app, args.shutdown_timeout)
     finally:

@@ -15,12 +15,15 @@ from common.sockets import is_tcp
 from frontend.anthropic_api import count_tokens, create_message
 from frontend.auth import api_key_middleware
 from frontend.body_limit import body_limit_middleware
+from frontend.connection_guard import ConnectionGuard, guard_middleware
+from frontend.connection_limits import ConnectionLimits
 from frontend.embeddings_api import create_embedding
 from frontend.engine_client import EngineClient
 from frontend.engine_pool import EnginePool
 from frontend.engine_sentinel import watch_engine
 from frontend.errors import INVALID_REQUEST, APIError, internal_error
 from frontend.openai_api import create_chat_completion, create_completion
+from frontend.read_timeout import read_timeout_middleware
 from frontend.request_policy import request_policy_middleware
 from frontend.response_store import ResponseStore
 from frontend.responses_api import STORE, create_response, delete_response, get_response
@@ -34,6 +37,7 @@ logger = logging.getLogger("loom.frontend")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ENGINE_SENTINELS = web.AppKey("loom_engine_sentinels", list)
+GUARD = web.AppKey("loom_connection_guard", ConnectionGuard)
 
 
 def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
@@ -41,13 +45,17 @@ def create_app(settings: FrontendSettings, tokenizer: Any) -> web.Application:
     state.metrics.step_listeners.append(state.queue_estimate.observe_step)
     if settings.tenants is not None:
         state.tenant_gate = TenantGate.create(settings.tenants, state.metrics.registry)
-    middlewares = [error_middleware]
+    middlewares = [guard_middleware, error_middleware]
     if settings.api_key:
         middlewares.append(api_key_middleware(settings.api_key))
     middlewares.append(request_policy_middleware(state.tenant_gate))
-    middlewares += [state.drain.middleware(), body_limit_middleware(settings.max_body_bytes)]
+    middlewares += [state.drain.middleware(), body_limit_middleware(settings.max_body_bytes),
+                    read_timeout_middleware(settings.request_read_timeout_s)]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[STATE] = state
+    app[GUARD] = ConnectionGuard(ConnectionLimits(
+        settings.max_connections, settings.keep_alive_timeout_s,
+        settings.request_read_timeout_s), state.metrics)
     app[STORE] = ResponseStore()
     app.on_startup.append(_connect_engine)
     app.on_cleanup.append(_disconnect_engine)

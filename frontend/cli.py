@@ -9,6 +9,11 @@ import os
 from common.config import add_chat_args
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
+from frontend.connection_limits import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+)
 from frontend.router import ROUTING_POLICIES
 from frontend.tenants import TenantsFileError, load_tenants
 
@@ -19,6 +24,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
@@ -40,6 +52,19 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                              "beyond which new ones get 503 with Retry-After")
     parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted; larger ones get 413")
+    parser.add_argument("--request-read-timeout", type=positive_seconds,
+                        default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+                        help="seconds a client gets to send a whole request (request line, "
+                             "headers and body) from its first byte; later: 408, connection "
+                             "closed")
+    parser.add_argument("--keep-alive-timeout", type=positive_seconds,
+                        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                        help="seconds an open connection may wait for its next request (or "
+                             "its first) before it is closed")
+    parser.add_argument("--max-connections", type=positive_int,
+                        default=DEFAULT_MAX_CONNECTIONS,
+                        help="open HTTP connections; beyond them a new one gets 503 and is "
+                             "closed (lowered to what the descriptor limit allows)")
     parser.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
                         help="how a request picks one of several engines: prefix affinity "
                              "within a load bound (cache_aware), least loaded, round robin")

@@ -106,3 +106,24 @@ def body_too_large(limit: int, size: int | None) -> APIError:
 
 def internal_error(reason: str) -> APIError:
     return APIError(reason, status=500, type=SERVER_ERROR, code="internal_error")
+
+
+def request_timeout(part: str, timeout_s: float) -> APIError:
+    """`part`: what had not arrived ("headers", "body")."""
+    return APIError(
+        f"The request's {part} did not arrive within {timeout_s:g} s of its first byte "
+        "(--request-read-timeout); the connection is closed.",
+        status=408,
+        code="request_timeout",
+    )
+
+
+def too_many_connections(limit: int) -> APIError:
+    return APIError(
+        f"The server holds its maximum of {limit} open connections (--max-connections); "
+        "try again shortly.",
+        status=503,
+        type=SERVICE_UNAVAILABLE,
+        code="too_many_connections",
+        headers={"Retry-After": "1"},
+    )

@@ -71,6 +71,11 @@ class LoomMetrics:
         self.requests_rejected = counter(
             "num_requests_rejected_total", "Requests refused with 503 (overload).", ["reason"]
         )
+        self.connections_open = gauge("http_connections_open", "Open HTTP connections.")
+        self.connections_closed = counter(
+            "http_connections_closed_total", "HTTP connections the server closed on its own: "
+            "keep_alive_timeout (idle), read_timeout (a request that did not arrive in time; "
+            "408), max_connections (refused with 503).", ["reason"])
         self.frontend_bad_frames = counter(
             "frontend_bad_frames_total", "Engine frames the frontend dropped as malformed."
         )

@@ -10,6 +10,11 @@ from aiohttp import web
 from common.protocol import Ready
 from frontend.admission import DEFAULT_MAX_WAITING_REQUESTS, Admission
 from frontend.body_limit import DEFAULT_MAX_BODY_BYTES
+from frontend.connection_limits import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+)
 from frontend.deadline_admission import QueueEstimate
 from frontend.drain import Drain
 from frontend.engine_pool import EnginePool
@@ -40,6 +45,9 @@ class FrontendSettings:
     pooling_type: str = "last"  # how /v1/embeddings pools a prompt's states (engine.pooling)
     tenants: TenantTable | None = None  # --tenants: keys, weights and limits (frontend.tenants)
     admission_control: bool = False  # refuse requests whose deadline the queue cannot meet
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass(slots=True)
