@@ -7,11 +7,30 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from common.config import EngineConfig
 from common.curve import CurveKeys, load_secret
 from common.protocol import encode
 from common.sockets import is_tcp
+
+if TYPE_CHECKING:
+    from engine.server import EngineServer
+
+
+class StopOnSigterm:
+    """SIGTERM before the loop serves exits at once; once it serves, the loop ends after its
+    step or poll and shuts down in order. An exception raised from a signal handler lands
+    wherever the main thread happens to be, and some places swallow it (a weakref callback
+    of a ThreadPoolExecutor did): the engine then ran on until killed."""
+
+    def __init__(self) -> None:
+        self.server: EngineServer | None = None  # once serving
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.server is None:
+            raise SystemExit(0)
+        self.server.running = False
 
 
 def main() -> int:
@@ -28,7 +47,8 @@ def main() -> int:
     name = "engine" if args.data_parallel_rank is None else f"engine {args.data_parallel_rank}"
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    stop = StopOnSigterm()
+    signal.signal(signal.SIGTERM, stop)
 
     # Heavy imports after argument parsing so `--help` stays instant.
     from engine.core import EngineCore, choose_device
@@ -49,6 +69,7 @@ def main() -> int:
                 ready_pipe.write(encode(core.ready_message))
         logging.getLogger("loom.engine").info("ready: %s", core.ready_message)
         core.grammars.preload()
+        stop.server = server
         server.serve_forever()
     finally:  # SIGTERM may come at any point: tensor-parallel ranks are told to stop
         core.shutdown()

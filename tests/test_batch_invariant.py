@@ -215,3 +215,58 @@ def test_by_default_a_prefix_hit_does_not_change_a_prompts_logits(model_dir: str
     for position, (row, wanted) in enumerate(zip(logits["cached"], logits["cold"],
                                                   strict=True)):
         assert torch.equal(row, wanted), f"logits of output {position} differ"
+
+
+def capture_verified_logits(core: EngineCore) -> list[tuple[str, int, list[int], torch.Tensor]]:
+    """Per sampled chunk: (request id, its output count before the step, its drafts, the
+    logits of its 1 + drafts rows). Row j predicts output position `count + j` given the
+    first j drafts."""
+    records: list[tuple[str, int, list[int], torch.Tensor]] = []
+    execute = core._execute
+
+    def recording(chunks):
+        sampling, logits, pooled = execute(chunks)
+        offset = 0
+        for chunk in sampling:
+            rows = 1 + len(chunk.draft_token_ids)
+            records.append((chunk.request.request_id, chunk.request.num_output_tokens,
+                            list(chunk.draft_token_ids), logits[offset:offset + rows].clone()))
+            offset += rows
+        assert offset == logits.shape[0]
+        return sampling, logits, pooled
+
+    core._execute = recording
+    return records
+
+
+@pytest.mark.parametrize(("dtype", "quantization"),
+                         [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")],
+                         ids=["fp32", "bf16", "bf16-int4"])
+def test_speculative_drafts_keep_a_rows_bits(model_dir: str, dtype: str,
+                                             quantization: str) -> None:
+    """In the mode, a row verified as a draft (accepted or the one after a rejection) has
+    the bits of the same position decoded one token a step alone, and seeded sampling gives
+    the same tokens: drafts from the known continuation, spoiled every third call."""
+    from tests.test_speculative_engine import NGRAM, FixedCost, OracleDrafts
+
+    _, alone, tokens = run(model_dir, dtype, quantization, [target()])
+    want, want_tokens = alone["target"], tokens["target"]
+    core = make_core(model_dir, dtype=dtype, quantization=quantization, batch_invariant=True,
+                     speculative_config=NGRAM)
+    core.speculator.source = OracleDrafts({"target": want_tokens})
+    core.speculator.cost = FixedCost()
+    records = capture_verified_logits(core)
+    got_tokens = run_to_completion(core, [*others(6), target()])["target"]
+    assert core.speculator.totals.num_accepted_tokens > 0
+    assert core.speculator.totals.num_accepted_tokens < core.speculator.totals.num_draft_tokens
+    assert got_tokens == want_tokens
+    checked = set()
+    for request_id, first, drafts, rows in records:
+        if request_id != "target":
+            continue
+        for j in range(rows.shape[0]):
+            if drafts[:j] != got_tokens[first:first + j]:
+                break  # rows after a rejected draft predict from a wrong prefix
+            assert torch.equal(rows[j], want[first + j]), f"output {first + j}, row {j}"
+            checked.add(first + j)
+    assert checked == set(range(OUTPUT_TOKENS))

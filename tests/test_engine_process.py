@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -23,6 +25,7 @@ from common.protocol import (
 )
 from common.sampling import SamplingParams
 from common.sockets import Endpoints, make_socket
+from engine.__main__ import StopOnSigterm
 from tests.model_fixtures import build_tiny_llama_dir
 
 RECV_TIMEOUT_MS = 30_000
@@ -130,3 +133,26 @@ def test_going_idle_sends_stats_at_rest(engine_process):
     assert isinstance(idle, StepOutputs) and idle.outputs == []
     assert idle.stats.num_running == 0 and idle.stats.num_waiting == 0
     assert idle.stats.kv_integrity_violations_total == 0
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["mid-generation", "idle"])
+def test_sigterm_ends_the_loop_and_the_process_in_order(engine_process, busy: bool):
+    """SIGTERM ends the serving loop after its step or poll (no exception thrown into
+    whatever the main thread was doing): exit status 0, no traceback."""
+    _, requests, outputs, process = engine_process
+    if busy:
+        requests.send(add("long", [3, 4, 5], max_tokens=100))
+        assert isinstance(decode(outputs.recv()), StepOutputs)  # it is stepping
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 0
+    assert "Traceback" not in process.stderr.read()
+
+
+def test_a_sigterm_handler_that_raises_only_before_the_loop_serves():
+    stop = StopOnSigterm()
+    with pytest.raises(SystemExit):
+        stop(signal.SIGTERM, None)
+    server = SimpleNamespace(running=True)
+    stop.server = server
+    stop(signal.SIGTERM, None)  # must not raise: a swallowed exception kept engines alive
+    assert server.running is False
