@@ -15,7 +15,7 @@ from common.protocol import AddRequest
 from common.sampling import SamplingParams
 from engine.attention.forward_context import forward_context
 from engine.core import EngineCore
-from engine.layers.batch_invariant import MIN_ROWS, use_dense_copies, with_padded_rows
+from engine.layers.batch_invariant import min_rows, use_dense_copies, with_padded_rows
 from engine.quantization.registry import METHODS, attach_dense_copies
 from engine.quantization.unquantized import PackedLinear, packing_applies
 from tests.engine_helpers import make_core, run_to_completion
@@ -153,7 +153,8 @@ def test_every_linear_gives_a_row_the_same_bits_at_every_row_count(
     x = torch.randn(200, 576).to(dtype)
     with forward_context([], None, pad_products=True):  # type: ignore[arg-type]
         alone = with_padded_rows(layer.forward, x[:1])
-        for rows in (2, 3, 5, 16, 17, 33, MIN_ROWS - 1, MIN_ROWS, 130, 200):
+        least = min_rows(dtype)
+        for rows in (2, 3, 5, 16, 17, 33, least - 1, least, 130, 200):
             got = with_padded_rows(layer.forward, x[:rows])
             assert got.shape[0] == rows
             assert torch.equal(got[:1], alone), f"{rows} rows"
@@ -197,7 +198,8 @@ def test_by_default_only_steps_with_prompt_rows_are_padded(
     monkeypatch.setattr(core.runner, "forward",
                         lambda ids, *args: rows.append(ids.shape[0]) or forward(ids, *args))
     run_to_completion(core, [target()])
-    assert rows == [MIN_ROWS] + [1] * (OUTPUT_TOKENS - 1)  # the 45-token prompt, then decodes
+    # the 45-token prompt, then decodes
+    assert rows == [min_rows(torch.bfloat16)] + [1] * (OUTPUT_TOKENS - 1)
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), CONFIGS,

@@ -23,7 +23,7 @@ from engine.attention.selector import select_attention_backend
 from engine.kernels.build import kernel_enabled
 from engine.kernels.elementwise import load_elementwise
 from engine.layers.attention import PagedAttention
-from engine.layers.batch_invariant import MIN_ROWS, use_dense_copies
+from engine.layers.batch_invariant import min_rows, use_dense_copies
 from engine.layers.custom_op import Implementation, use_implementation
 from engine.layers.moe import FusedMoE
 from engine.layers.opaque_linear import trace_as_op
@@ -37,9 +37,10 @@ class KernelChoice:
     elementwise: Implementation
     compiled: bool
     batch_invariant: bool = False
-    # Steps that ask for it run at least MIN_ROWS rows (engine.layers.batch_invariant): CPU,
-    # eager
+    # Steps that ask for it run at least `min_rows` rows (engine.layers.batch_invariant):
+    # CPU, eager
     padded_steps: bool = False
+    min_rows: int = 0
 
     @classmethod
     def choose(cls, model: nn.Module, device: torch.device, dtype: torch.dtype,
@@ -53,7 +54,8 @@ class KernelChoice:
                and not compiled and kernel_enabled("LOOM_CPP_ELEMENTWISE")
                and load_elementwise() is not None)
         padded = device.type == "cpu" and not compiled
-        return cls(backend, "cpu" if cpp else "native", compiled, batch_invariant, padded)
+        return cls(backend, "cpu" if cpp else "native", compiled, batch_invariant, padded,
+                   min_rows(dtype))
 
     def bind(self, model: nn.Module) -> None:
         """Every layer of the model runs its chosen implementation from now on."""
@@ -77,6 +79,7 @@ class KernelChoice:
         elementwise = "C++" if self.elementwise == "cpu" else "torch ops"
         mode = "compiled (inductor)" if self.compiled else "eager"
         if self.batch_invariant:
-            mode += f", batch-invariant (every row a decode row, products of >= {MIN_ROWS} rows)"
+            mode += (f", batch-invariant (every row a decode row, products of >= "
+                     f"{self.min_rows} rows)")
         return (f"kernels: attention {self.attention.name}, elementwise {elementwise}, "
                 f"forward {mode}")

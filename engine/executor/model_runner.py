@@ -15,7 +15,6 @@ from engine.executor.cuda_graphs import DecodeGraphs, Recorder
 from engine.executor.kernel_choice import KernelChoice
 from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
-from engine.layers.batch_invariant import MIN_ROWS
 from engine.layers.pinned_attributes import pin_attributes
 from engine.platform.host_copy import int_tensor
 from engine.platform.huge_pages import populate, zeros_on_huge_pages
@@ -219,7 +218,7 @@ class ModelRunner:
         pad = self.kernels.padded_steps and (self.kernels.batch_invariant
                                               or inputs.has_prompt_rows)
         token_ids, positions = inputs.token_ids, inputs.positions
-        extra = MIN_ROWS - len(token_ids) if pad else 0
+        extra = self.kernels.min_rows - len(token_ids) if pad else 0
         if extra > 0:
             token_ids, positions = token_ids + [0] * extra, positions + [0] * extra
         with forward_context(metadata, self.attention, pad_products=pad):

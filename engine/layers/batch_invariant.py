@@ -11,9 +11,10 @@ What made a row's numerics depend on its step, measured on the CPU (docs/batch-i
 Norms, RoPE, the activation, the embedding and the sampler compute each row alone already.
 
 So on the CPU, eager, a step whose forward context asks for it (`pad_products`: every step in
-batch-invariant mode; by default the steps that compute prompt rows) runs at least MIN_ROWS
-rows: the model runner pads the step's tokens (attention computes only the real ones), a
-routed expert pads the rows that reach it, the output head the rows it samples. In the mode,
+batch-invariant mode; by default the steps that compute prompt rows) runs at least
+`min_rows` rows (64 in bf16, 16 in fp32): the model runner pads the step's tokens (attention
+computes only the real ones), a routed expert pads the rows that reach it, the output head the
+rows it samples. In the mode,
 weight-only layers also multiply with their dense copy at every size, and every query row is a
 decode row of the C++ attention kernel.
 """
@@ -28,14 +29,20 @@ from torch import nn
 from engine.attention.forward_context import pads_products
 from engine.quantization.base import QuantizedLinear
 
-MIN_ROWS = 64
+MIN_ROWS = 64  # bf16: oneDNN's packed products keep their kernel from 33 rows
+MIN_ROWS_FP32 = 16  # fp32 products keep theirs from 16 rows (AVX-512 machines), 4 (AVX2)
+
+
+def min_rows(dtype: torch.dtype) -> int:
+    """The rows a padded step's products multiply at least, in `dtype`."""
+    return MIN_ROWS_FP32 if dtype == torch.float32 else MIN_ROWS
 
 
 def with_padded_rows(multiply: Callable[[torch.Tensor], torch.Tensor],
                      x: torch.Tensor) -> torch.Tensor:
-    """multiply(x), x padded with zero rows to MIN_ROWS where this step asks for it (see the
+    """multiply(x), x padded with zero rows to min_rows where this step asks for it (see the
     module's docstring); the padding's rows are dropped from the result."""
-    extra = MIN_ROWS - x.shape[0]
+    extra = min_rows(x.dtype) - x.shape[0]
     if extra <= 0 or not pads_products():
         return multiply(x)
     return multiply(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]))[:x.shape[0]]
