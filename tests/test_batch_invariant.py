@@ -272,3 +272,25 @@ def test_speculative_drafts_keep_a_rows_bits(model_dir: str, dtype: str,
             assert torch.equal(rows[j], want[first + j]), f"output {first + j}, row {j}"
             checked.add(first + j)
     assert checked == set(range(OUTPUT_TOKENS))
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("bfloat16", "int4")],
+                         ids=["fp32", "bf16-int4"])
+def test_two_data_parallel_replicas_give_a_row_the_same_bits(
+    model_dir: str, dtype: str, quantization: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two engines of one configuration as `launch.py --data-parallel-size 2` starts them
+    on two cores (one thread each): the target alone on one, beside 12 others on the other."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the engine keeps the thread count it is given
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, first, first_tokens = run(model_dir, dtype, quantization, [target()])
+        _, second, second_tokens = run(model_dir, dtype, quantization,
+                                       [*others(12, seed=3), target()])
+    finally:
+        torch.set_num_threads(threads)
+    assert second_tokens["target"] == first_tokens["target"]
+    for position, (row, wanted) in enumerate(zip(second["target"], first["target"],
+                                                  strict=True)):
+        assert torch.equal(row, wanted), f"logits of output {position} differ"
