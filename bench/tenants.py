@@ -69,28 +69,35 @@ class TenantReport:
     refused: dict[str, int]  # "HTTP 429" -> count
     ttft_ms: Distribution
     output_tokens: int
+    window_chunks: int = 0  # streamed output chunks (~tokens) received while arrivals went on
     output_share: float = 0.0  # of every tenant's output tokens
+    window_share: float = 0.0  # of every tenant's chunks in the arrival window: the share
+    # under saturation (after it, a tenant whose backlog ran out leaves the rest to others)
 
     @classmethod
-    def of(cls, load: TenantLoad, records: list[RequestRecord]) -> TenantReport:
+    def of(cls, load: TenantLoad, records: list[RequestRecord],
+           window_end: float = math.inf) -> TenantReport:
         done = [record for record in records if record.success]
         refused = Counter((record.error or "").split(":")[0] for record in records
                           if not record.success)
         return cls(load.name, load.rate, len(done), dict(refused),
                    Distribution.of_seconds([r.ttft for r in done if r.ttft is not None]),
-                   sum(r.usage_output_tokens or 0 for r in done))
+                   sum(r.usage_output_tokens or 0 for r in done),
+                   sum(time <= window_end for r in records for time in r.chunk_times))
 
 
 def with_shares(reports: list[TenantReport]) -> list[TenantReport]:
     total = sum(report.output_tokens for report in reports)
+    in_window = sum(report.window_chunks for report in reports)
     for report in reports:
         report.output_share = report.output_tokens / total if total else 0.0
+        report.window_share = report.window_chunks / in_window if in_window else 0.0
     return reports
 
 
 def format_reports(reports: list[TenantReport], duration_s: float) -> str:
     lines = [f"{'tenant':<16}{'rate/s':>8}{'done':>7}{'refused':>18}{'TTFT p50 ms':>13}"
-             f"{'TTFT p99 ms':>13}{'out tok':>10}{'out tok/s':>11}{'share':>8}"]
+             f"{'TTFT p99 ms':>13}{'out tok':>10}{'out tok/s':>11}{'share':>8}{'window':>8}"]
     for report in reports:
         refused = ", ".join(f"{k}: {v}" for k, v in sorted(report.refused.items())) or "-"
         ttft = report.ttft_ms
@@ -98,7 +105,7 @@ def format_reports(reports: list[TenantReport], duration_s: float) -> str:
             f"{report.name:<16}{report.rate:>8g}{report.completed:>7}{refused:>18}"
             f"{_ms(ttft.median):>13}{_ms(ttft.p99):>13}{report.output_tokens:>10}"
             f"{report.output_tokens / duration_s if duration_s else 0:>11.1f}"
-            f"{report.output_share:>8.1%}")
+            f"{report.output_share:>8.1%}{report.window_share:>8.1%}")
     return "\n".join(lines)
 
 
@@ -149,7 +156,9 @@ async def run_all(args: argparse.Namespace) -> tuple[list[TenantReport], float]:
                                       args.burst, args.seed + index, chat)
                            for index, run in enumerate(runs)))
     duration = time.perf_counter() - started
-    return with_shares([TenantReport.of(run.load, run.records) for run in runs]), duration
+    window_end = started + args.duration
+    return with_shares([TenantReport.of(run.load, run.records, window_end)
+                        for run in runs]), duration
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

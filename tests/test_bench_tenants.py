@@ -64,3 +64,17 @@ async def test_a_short_run_counts_each_tenants_requests_and_refusals(tokenizer):
     assert team_a.refused.get("HTTP 429", 0) >= 1 and team_a.completed >= 2
     assert team_a.completed + team_a.refused["HTTP 429"] == 6
     assert by_name["team-b"].output_tokens == 6 * 8 and duration > 0
+
+
+def test_the_window_share_counts_only_chunks_received_while_arrivals_went_on():
+    """After the arrivals stop, a tenant whose backlog ran out leaves the engine to the
+    others: the share under saturation is the one inside the window."""
+    two, one = record(None, 4), record(None, 4)
+    two.chunk_times = [1.1, 1.2, 1.3, 1.4]  # all inside a window ending at 1.5
+    one.chunk_times = [1.2, 1.4, 1.6, 1.8]  # half of it after
+    reports = with_shares([TenantReport.of(TenantLoad("two", "k", 1), [two], window_end=1.5),
+                           TenantReport.of(TenantLoad("one", "j", 1), [one], window_end=1.5)])
+    assert [report.window_chunks for report in reports] == [4, 2]
+    assert [report.window_share for report in reports] == [pytest.approx(2 / 3),
+                                                          pytest.approx(1 / 3)]
+    assert [report.output_share for report in reports] == [0.5, 0.5]
