@@ -15,6 +15,7 @@ Without tenants every request belongs to the one tenant "", and the order is pla
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -94,6 +95,45 @@ class FairShare:
             if len(heads) == num_tenants:
                 break
         return min(heads.values(), key=lambda request: self.counter(request.tenant))
+
+    def seat_exchange(self, waiting: list[Request], running: list[Request],
+                      seats: int) -> tuple[Request, Request] | None:
+        """Every seat taken: (a waiting request, the running one to give it its seat), for
+        the first waiting request of a tenant holding no seat at all (the one with the
+        smallest counter, if several) whose weighted share of the seats (among the tenants
+        with requests running or waiting) is at least one; the seat comes from the tenant
+        furthest over its own share even without it, its most recently admitted request. So
+        a light tenant starts at once beside a flooding one, and tenants that all hold seats
+        share by admission order alone (no seat changes hands twice: no thrashing)."""
+        heads: dict[str, Request] = {}
+        for request in waiting:
+            heads.setdefault(request.tenant, request)
+        for head in sorted(heads.values(), key=lambda request: self.counter(request.tenant)):
+            victim = self._seat_victim(head, running, seats)
+            if victim is not None:
+                return head, victim
+        return None
+
+    def _seat_victim(self, candidate: Request, running: list[Request],
+                     seats: int) -> Request | None:
+        held = Counter(request.tenant for request in running)
+        active = {name for name, account in self.accounts.items()
+                  if account.num_waiting or held[name]}
+        if len(active) < 2:
+            return None
+        total = sum(self.accounts[name].weight for name in active)
+
+        def share(name: str) -> float:
+            return seats * self.accounts[name].weight / total
+
+        if held[candidate.tenant] or share(candidate.tenant) < 1:
+            return None
+        over = [name for name in active
+                if name != candidate.tenant and held[name] - 1 >= share(name)]
+        if not over:
+            return None
+        furthest = max(over, key=lambda name: held[name] - share(name))
+        return next(request for request in reversed(running) if request.tenant == furthest)
 
     def pick_victim(self, running: list[Request]) -> Request:
         """The request to preempt: of the running tenant furthest over its share (largest

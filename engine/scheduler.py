@@ -273,6 +273,14 @@ class Scheduler:
             request = self.fair_share.pick_waiting(self.waiting)
             prefix = self.block_manager.cached_prefix(request)
             reason = self._why_not_admit(request, prefix, budget)
+            exchange = None if reason != WaitReason.NO_SEAT else self.fair_share.seat_exchange(
+                self.waiting, self.running, self.config.max_num_seqs)
+            if exchange is not None:  # a tenant under its share takes a seat from one over
+                request, victim = exchange
+                budget += self._unschedule(victim, chunks)
+                self._preempt(victim, trace)
+                prefix = self.block_manager.cached_prefix(request)
+                reason = self._why_not_admit(request, prefix, budget)
             if reason is None:
                 self._admit(request, prefix)
                 num_tokens = self._chunk_size(request, budget)

@@ -198,3 +198,40 @@ def test_random_tenant_workloads_finish_with_sound_kv_accounting(seed):
         added.append(request)
     run_until_idle(scheduler)
     assert all(request.is_finished for request in added)
+
+
+def test_a_tenant_without_a_seat_takes_one_from_a_tenant_over_its_share():
+    """Seats full of a flooding tenant's requests: a light tenant's request is admitted in
+    the step it arrives, the flooding tenant's most recently admitted one preempted."""
+    scheduler = make_scheduler(max_num_seqs=4)
+    for index in range(8):
+        scheduler.add(make_request(f"a{index}", prompt_len=4, max_tokens=50, tenant="a"))
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a0", "a1", "a2", "a3"]
+    scheduler.add(make_request("b0", prompt_len=4, max_tokens=50, tenant="b"))
+    output = run_step(scheduler)
+    assert "b0" in output.trace.scheduled and output.trace.preempted == ["a3"]
+    assert "a3" not in output.trace.scheduled
+    assert sorted(r.request_id for r in scheduler.running) == ["a0", "a1", "a2", "b0"]
+    scheduler.add(make_request("b1", prompt_len=4, max_tokens=50, tenant="b"))
+    output = run_step(scheduler)  # b holds a seat: its next waits for one to free, first
+    assert output.trace.preempted == [] and "b1" not in output.trace.scheduled
+    assert scheduler.fair_share.pick_waiting(scheduler.waiting).request_id == "b1"
+
+
+def test_saturating_tenants_take_a_seat_from_each_other_once_not_back_and_forth():
+    scheduler = make_scheduler(max_num_seqs=6)
+    for index in range(30):
+        scheduler.add(make_request(f"one{index}", prompt_len=4, max_tokens=8, tenant="one"))
+    run_step(scheduler)
+    for index in range(30):
+        scheduler.add(make_request(f"two{index}", prompt_len=4, max_tokens=8, tenant="two",
+                                   tenant_weight=2.0))
+    tenant_of = {f"{name}{i}": name for name in ("one", "two") for i in range(30)}
+    for _ in range(60):
+        holding = {request.tenant for request in scheduler.running}
+        output = run_step(scheduler)
+        for victim in output.trace.preempted:  # only ever for a tenant that held no seat
+            starved = {"one", "two"} - holding
+            assert starved and tenant_of[victim] not in starved
+    assert 1 <= scheduler.num_preemptions <= 8
