@@ -83,9 +83,10 @@ class FairShare:
         account = self.accounts[request.tenant]
         account.counter += cost / account.weight
 
-    def pick_waiting(self, waiting: list[Request]) -> Request:
+    def pick_waiting(self, waiting: list[Request], running: list[Request]) -> Request:
         """The request to admit next: the first (in queue order) of the waiting tenant with
-        the smallest counter; among equal counters, the one that comes first in the queue."""
+        the smallest counter; among equal counters (a returning tenant is lifted to the
+        smallest waiting one) the tenant holding fewer seats, then queue order."""
         num_tenants = self.num_waiting_tenants
         if num_tenants <= 1:
             return waiting[0]
@@ -94,7 +95,9 @@ class FairShare:
             heads.setdefault(request.tenant, request)
             if len(heads) == num_tenants:
                 break
-        return min(heads.values(), key=lambda request: self.counter(request.tenant))
+        held = Counter(request.tenant for request in running)
+        return min(heads.values(),
+                   key=lambda request: (self.counter(request.tenant), held[request.tenant]))
 
     def seat_exchange(self, waiting: list[Request], running: list[Request],
                       seats: int) -> tuple[Request, Request] | None:

@@ -270,7 +270,7 @@ class Scheduler:
                        budget: int) -> None:
         reason = WaitReason.PREEMPTION if trace.preempted else None
         while self.waiting and reason is None:
-            request = self.fair_share.pick_waiting(self.waiting)
+            request = self.fair_share.pick_waiting(self.waiting, self.running)
             prefix = self.block_manager.cached_prefix(request)
             reason = self._why_not_admit(request, prefix, budget)
             exchange = None if reason != WaitReason.NO_SEAT else self.fair_share.seat_exchange(
@@ -323,7 +323,7 @@ class Scheduler:
                 trace.waited[request.request_id] = WaitReason.BATCH_CLOSED
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.fair_share.pick_waiting(self.waiting)
+            request = self.fair_share.pick_waiting(self.waiting, self.running)
             prefix = self.block_manager.cached_prefix(request)
             if not self.block_manager.can_allocate(request, request.num_tokens, prefix):
                 break

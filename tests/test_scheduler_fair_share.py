@@ -216,7 +216,8 @@ def test_a_tenant_without_a_seat_takes_one_from_a_tenant_over_its_share():
     scheduler.add(make_request("b1", prompt_len=4, max_tokens=50, tenant="b"))
     output = run_step(scheduler)  # b holds a seat: its next waits for one to free, first
     assert output.trace.preempted == [] and "b1" not in output.trace.scheduled
-    assert scheduler.fair_share.pick_waiting(scheduler.waiting).request_id == "b1"
+    next_up = scheduler.fair_share.pick_waiting(scheduler.waiting, scheduler.running)
+    assert next_up.request_id == "b1"
 
 
 def test_saturating_tenants_take_a_seat_from_each_other_once_not_back_and_forth():
@@ -235,3 +236,16 @@ def test_saturating_tenants_take_a_seat_from_each_other_once_not_back_and_forth(
             starved = {"one", "two"} - holding
             assert starved and tenant_of[victim] not in starved
     assert 1 <= scheduler.num_preemptions <= 8
+
+
+def test_a_returning_tenant_lifted_to_a_tie_goes_before_the_tenant_holding_more_seats():
+    scheduler = make_scheduler(max_num_seqs=4)
+    for index in range(8):
+        scheduler.add(make_request(f"a{index}", prompt_len=4, max_tokens=50, tenant="a"))
+    scheduler.add(make_request("b0", prompt_len=4, max_tokens=50, tenant="b"))
+    run_step(scheduler)
+    run_step(scheduler)  # b0 holds a seat; b has nothing waiting
+    scheduler.add(make_request("b1", prompt_len=4, max_tokens=50, tenant="b"))
+    assert scheduler.fair_share.counter("b") == scheduler.fair_share.counter("a")  # lifted
+    assert scheduler.fair_share.pick_waiting(scheduler.waiting,
+                                             scheduler.running).request_id == "b1"
