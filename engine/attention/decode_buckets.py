@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv_cache_groups import blocks_for
 from engine.platform.host_copy import int_tensor
-
-if TYPE_CHECKING:
-    from engine.attention.metadata import DecodeBatch
 
 # Decode buckets (torch path): requests sorted by context length and padded per bucket.
 MAX_DECODE_BUCKETS = 4
@@ -41,6 +37,30 @@ class DecodeBucket:
     @property
     def num_blocks(self) -> int:
         return self.block_ids.shape[1]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Every request with a single new token; it attends its whole context."""
+
+    rows: list[int]  # their rows of q
+    seq_lens: list[int]
+    row_index: torch.Tensor  # [n] int64, the rows on device
+    lens: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [n, max_blocks] int64 (rows may be strided)
+    max_block: int  # the largest block id in their tables
+    buckets: list[DecodeBucket] | None = None  # torch path, planned with the step (decode_buckets)
+    # [num_runs + 1] int64 offsets: rows [runs[i], runs[i + 1]) are one request's at
+    # consecutive positions, read over its blocks together (None: each row alone)
+    runs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_runs(self) -> int:
+        return self.size if self.runs is None else self.runs.numel() - 1
 
 
 def decode_buckets(batch: DecodeBatch, block_size: int) -> list[DecodeBucket]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.decode_buckets import DecodeBucket, decode_buckets
+from engine.attention.decode_buckets import DecodeBatch, decode_buckets
 from engine.attention.triton_kernels import QueryRows
 from engine.attention.workspace import DEFAULT_WORKSPACE, Workspace
 from engine.kv_cache_groups import blocks_for
@@ -33,30 +33,6 @@ TILED_PREFILL_MIN_TOKENS = 2
 # A request's rows read its blocks together in runs of up to this many (kMaxRun in
 # kernels/cpu/paged_decode.cpp).
 MAX_RUN_ROWS = 16
-
-
-@dataclass(slots=True)
-class DecodeBatch:
-    """Every request with a single new token; it attends its whole context."""
-
-    rows: list[int]  # their rows of q
-    seq_lens: list[int]
-    row_index: torch.Tensor  # [n] int64, the rows on device
-    lens: torch.Tensor  # [n] int64
-    block_tables: torch.Tensor  # [n, max_blocks] int64 (rows may be strided)
-    max_block: int  # the largest block id in their tables
-    buckets: list[DecodeBucket] | None = None  # torch path, planned with the step (decode_buckets)
-    # [num_runs + 1] int64 offsets: rows [runs[i], runs[i + 1]) are one request's at
-    # consecutive positions, read over its blocks together (None: each row alone)
-    runs: torch.Tensor | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.rows)
-
-    @property
-    def num_runs(self) -> int:
-        return self.size if self.runs is None else self.runs.numel() - 1
 
 
 @dataclass(slots=True)
