@@ -245,7 +245,7 @@ def main() -> None:
                                                                "of this many tokens")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--modes", default="eager,compiled")
-    parser.add_argument("--quantization", default="none",
+    parser.add_argument("--quantization", default="",
                         help="comma-separated --quantization methods, each profiled eager")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -255,10 +255,10 @@ def main() -> None:
     args.batch = [int(size) for size in args.batch.split(",") if size]
     rng = random.Random(args.seed)
     rows = []
-    # "auto": a GGUF --model as it is (its own 4-bit linears), float for safetensors.
+    # "auto": a GGUF --model as it is (its own 4-bit linears), float for safetensors;
+    # "none": the float weights (the default model's safetensors).
     runs = [(mode, "auto") for mode in filter(None, args.modes.split(","))]
-    runs += [("eager", method) for method in args.quantization.split(",")
-             if method not in ("auto", "none")]
+    runs += [("eager", method) for method in args.quantization.split(",") if method != "auto"]
     for mode, method in runs:
         core = make_core(args, mode, method)
         name = mode if method == "auto" else f"{mode} {method}"

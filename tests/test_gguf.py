@@ -12,7 +12,6 @@ and a hub id (`org/name`) from a hub-layout cache with HF_HUB_OFFLINE set.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,11 +26,10 @@ from common.default_model import default_gguf_file
 from common.gguf_convert import unpermute_rotary
 from common.gguf_model import prepare_gguf
 from common.sockets import free_port
+from engine.quantization.base import QuantizedLinear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.q8_0 import Q8_0Linear
 from engine.weights.gguf import (
-    keep_gguf_quantization,
-    kept_groups,
     q4_codes,
     q5_0_codes,
     q6_k_codes,
@@ -120,14 +118,11 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
     model_dir = prepare_gguf(str(tiny_gguf), tmp_path / "cache", with_tokenizer=False)
     assert Path(model_dir).name == "tiny-q4"  # served under the file's name
     float_model = load_model(model_dir, torch.float32, torch.device("cpu"), quantization="none")
-    # fp32 serves floats (the int4 kernels are slow there): keep the codes by hand to test them.
+    # fp32 keeps the codes too: our kernels read them for steps of up to 4 tokens.
     quantized = load_model(model_dir, torch.float32, torch.device("cpu"))
-    assert not any(isinstance(module, Int4Linear) for module in quantized.modules())
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    tensors = read_tensors(tiny_gguf)
-    kept = keep_gguf_quantization(quantized, tensors, kept_groups(quantized, tensors), config,
-                                  torch.float32)
+    kept = [module for module in quantized.modules() if isinstance(module, QuantizedLinear)]
     assert len(kept) == 4 * TINY_LLAMA["num_hidden_layers"] + 1
+    assert all(module.kernel_rows == 4 for module in kept)
     layer = quantized.model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    quantized.lm_head):
@@ -141,9 +136,10 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
             ours = layer.get_submodule(name).dequantized_weight()
             theirs = reference.get_submodule(name).weight
             assert (ours - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
-    prompt = [(5 * i + 7) % 250 + 3 for i in range(40)]
-    difference = prefill_logits(quantized, prompt) - prefill_logits(float_model, prompt)
-    assert difference.abs().max().item() < 1e-4
+    for length in (1, 4, 40):  # the kernels, then the fp32 copies
+        prompt = [(5 * i + 7) % 250 + 3 for i in range(length)]
+        difference = prefill_logits(quantized, prompt) - prefill_logits(float_model, prompt)
+        assert difference.abs().max().item() < 1e-4
 
 
 def test_a_tied_q8_0_embedding_becomes_a_q8_0_head_and_stays_float_for_lookups(
@@ -291,7 +287,8 @@ def test_every_common_tensor_type_loads_as_ggufs_own_dequantization(
     writer.write_tensors_to_file()
     writer.close()
     model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
-    layer = load_model(model_dir, torch.float32, torch.device("cpu")).model.layers[0]
+    layer = load_model(model_dir, torch.float32, torch.device("cpu"),
+                       quantization="none").model.layers[0]
     qkv = np.concatenate([unpermute_rotary(expected["attn_q"], heads),
                           unpermute_rotary(expected["attn_k"], kv_heads), expected["attn_v"]])
     for module, want in (("self_attn.qkv_proj", qkv), ("self_attn.o_proj", expected["attn_output"]),

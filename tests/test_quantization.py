@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.kernels import w8a8 as w8a8_kernels
+from engine.kernels.int4_matmul import load_int4_kernel
 from engine.kernels.q8_0_matmul import load_q8_kernel
 from engine.quantization.base import QuantizedLinear
 from engine.quantization.int4 import Int4Linear
@@ -137,17 +138,46 @@ def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) ->
     assert calls == [layer.max_kernel_rows + 1, 64]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_fp32_weight_only_layers_multiply_an_fp32_copy_at_every_size(method: str) -> None:
+@pytest.mark.parametrize(("method", "kernel_rows"), [("int8", 0), ("int4", 4)])
+def test_fp32_weight_only_layers_multiply_an_fp32_copy_above_their_fp32_kernel(
+        method: str, kernel_rows: int) -> None:
+    """torch's int8 kernel is slow in fp32: every step on the fp32 copy. int4 (groups of 32)
+    has a kernel of ours for fp32 activations: steps of up to 4 tokens read the codes."""
+    assert Int4Linear(torch.randn(8, 64), None).serves_float32 == (load_int4_kernel() is not None)
     layer = LAYERS[method](torch.randn(96, 64), None)
     attach_dense_copies([layer])
-    assert layer.kernel_rows == 0 and layer.dense.weight.dtype == torch.float32
+    assert layer.kernel_rows == kernel_rows and layer.dense.weight.dtype == torch.float32
     calls: list[int] = []
     layer.dense.register_forward_hook(lambda _, args, __: calls.append(args[0].shape[0]))
-    x = torch.randn(1, 64)
-    expected = reference_product(layer, x)
-    assert (layer(x) - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
-    assert calls == [1]
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, 64)
+        expected = reference_product(layer, x)
+        assert (layer(x) - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert calls == [rows for rows in (1, 4, 5) if rows > kernel_rows]
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_fp32_kernel_equals_float_math_on_its_codes(group_size: int) -> None:
+    """A GGUF's 4-bit codes in an fp32 model: groups of 32 run the C++ kernel (1-4 rows, codes
+    packed two to a byte), other group sizes torch's; both float math on W = (q - 8)·s + z."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (80, 128), generator=generator, dtype=torch.uint8)
+    scale = torch.rand(80, 128 // group_size, generator=generator) * 0.01
+    zero = torch.randn(80, 128 // group_size, generator=generator) * 0.01
+    bias = torch.randn(80, generator=generator)
+    layer = Int4Linear.from_codes(q, scale, zero, bias, torch.float32)
+    assert layer.serves_float32 == (group_size == 32)
+    layer.finish_loading()
+    assert torch.equal(layer.codes(), q)  # recovered from the kernel's packing
+    weight = ((q.float() - 8) * scale.repeat_interleave(group_size, 1)
+              + zero.repeat_interleave(group_size, 1))
+    assert torch.equal(layer.dequantized_weight(), weight)
+    for rows in (1, 2, 3, 4, 9):
+        x = torch.randn(rows, 128, generator=generator)
+        expected = x @ weight.T + bias
+        out = layer(x)
+        assert out.shape == (rows, 80)
+        assert (out - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -1,10 +1,11 @@
 """What every quantized linear layer is: a weight held quantized, multiplied by its method's
 kernel, answering to float math on its own dequantized weight (`dequantized_weight`).
 
-Weight-only kernels win only on bf16 activations and only while a step is memory-bound
-(docs/benchmarks.md has the figures). In fp32 torch's int8/int4 kernels are many times
-slower than `F.linear`, so an fp32 weight-only layer keeps its dequantized weight in fp32 and
-always multiplies that: correct, no faster, no smaller. Where oneDNN packs bf16 natively, a
+Weight-only kernels win only while a step is memory-bound (docs/benchmarks.md has the
+figures). In fp32 torch's int8/int4 kernels are many times slower than `F.linear`, so an fp32
+weight-only layer keeps its dequantized weight in fp32 and multiplies that, except for steps
+of up to `max_kernel_rows` tokens where a kernel of ours reads the codes with fp32 math (a
+GGUF's Q8_0 and 4-bit codes, `serves_float32`). Where oneDNN packs bf16 natively, a
 weight-only layer also keeps its dequantized weight as a packed bf16 copy and multiplies
 steps above `max_kernel_rows` tokens with it: small decode batches read the small weights,
 large batches and prefill run at the bf16 rate, and the copy costs memory (reported at load).
@@ -55,8 +56,14 @@ class QuantizedLinear(nn.Module):
         self.dense = PackedLinear(self.dequantized_weight().to(dtype), self.bias)
         object.__setattr__(self, "_dense_call", self.dense)
 
+    @property
+    def serves_float32(self) -> bool:
+        """Whether a kernel of ours multiplies the codes with fp32 activations (Q8_0, int4)."""
+        return False
+
     def keep_float_copy(self) -> None:
-        """The dequantized weight in fp32, for every step (the kernels are slow in fp32)."""
+        """The dequantized weight in fp32: for steps above `max_kernel_rows` tokens where a
+        kernel serves fp32 (`serves_float32`), else for every step (torch's are slow in fp32)."""
         self.dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                                device=self.device)
         self.dense.weight.data = self.dequantized_weight().to(self.device)
@@ -64,7 +71,7 @@ class QuantizedLinear(nn.Module):
             self.dense.bias.data = self.bias.float()
         self.dense.requires_grad_(False)
         object.__setattr__(self, "_dense_call", self.dense)
-        self.kernel_rows = 0
+        self.kernel_rows = self.max_kernel_rows if self.serves_float32 else 0
 
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError

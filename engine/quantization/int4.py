@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.int4_matmul import (
+    MAX_ROWS,
+    kernel_serves,
+    pack_nibbles,
+    run_int4_matmul,
+    unpack_nibbles,
+)
 from engine.quantization.base import DEFAULT_GROUP_SIZE, QuantizedLinear
 
 INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at q = 8
@@ -13,7 +20,7 @@ INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at
 
 class Int4Linear(QuantizedLinear):
     method = "int4"
-    max_kernel_rows = 4
+    max_kernel_rows = MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int = DEFAULT_GROUP_SIZE) -> None:
@@ -41,20 +48,32 @@ class Int4Linear(QuantizedLinear):
 
     def _hold(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               dtype: torch.dtype) -> None:
-        """On CPU only the kernel's packed form of q is kept; elsewhere q itself. Until
-        `finish_loading`, q is at hand too: dense copies are made from it directly."""
+        """On CPU only a kernel's packed form of q is kept (torch's for bf16, ours for fp32:
+        torch's is slow there); elsewhere q itself. Until `finish_loading`, q is at hand too:
+        dense copies are made from it directly."""
         self.group_size = self.in_features // scale.shape[1]
         self._loading_codes: torch.Tensor | None = q.to(torch.uint8)
-        # [K / group, N, 2], the layout the CPU kernel reads, in the activations' dtype.
+        # [K / group, N, 2], the layout torch's CPU kernel reads, in the activations' dtype.
         scales_and_zeros = torch.stack([scale.T, zero.T], dim=-1).contiguous().to(dtype)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         on_cpu = q.device.type == "cpu"
+        ours = on_cpu and kernel_serves(q.device, dtype, self.group_size)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32), 1) if on_cpu else None)
+            q.to(torch.int32), 1) if on_cpu and not ours else None)
+        self.register_buffer("nibbles", pack_nibbles(q) if ours else None)
         self.register_buffer("q", None if on_cpu else q.to(torch.uint8))
-        # The kernel's arguments as a plain attribute (no nn.Module __getattr__ per call).
-        self._kernel_args = ((self.packed, self.group_size, self.scales_and_zeros) if on_cpu
-                             else None)
+        # The kernels' arguments as plain attributes (no nn.Module __getattr__ per call).
+        self._kernel_args = ((self.packed, self.group_size, self.scales_and_zeros)
+                             if self.packed is not None else None)
+        self._float_kernel_args = None
+        if ours:  # W = q·s + o with o = z - 8·s, in fp32 [N, groups]
+            scale, zero = scale.float().contiguous(), zero.float()
+            offset = (zero - INT4_ZERO_POINT * scale).contiguous()
+            self._float_kernel_args = (self.nibbles, scale, offset)
+
+    @property
+    def serves_float32(self) -> bool:
+        return self._float_kernel_args is not None
 
     def dequantized_weight(self) -> torch.Tensor:
         """(q - 8)·s + z in float32, with s and z as stored (rounded to the model's dtype)."""
@@ -67,6 +86,8 @@ class Int4Linear(QuantizedLinear):
         """q [N, K]. On CPU the kernel's own unpacking recovers it: the identity times the
         packed weight with every scale 1 and zero 8 gives q itself, exactly (bf16 holds
         0..15; the kernel's fp32 path is far slower)."""
+        if self.nibbles is not None:
+            return unpack_nibbles(self.nibbles)
         if self.packed is None:
             return self.q
         if self._loading_codes is not None:
@@ -81,6 +102,8 @@ class Int4Linear(QuantizedLinear):
         self._loading_codes = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._float_kernel_args is not None and x.shape[0] <= MAX_ROWS:
+            return run_int4_matmul(x, *self._float_kernel_args)
         if self._kernel_args is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)
         return x @ self.dequantized_weight().to(x.dtype).T

@@ -36,6 +36,10 @@ class Q8_0Linear(QuantizedLinear):
     def dense_dtype(self) -> torch.dtype:
         return self._dtype
 
+    @property
+    def serves_float32(self) -> bool:
+        return self.uses_kernel
+
     def dequantized_weight(self) -> torch.Tensor:
         """q·d in float32, exactly as the file defines the weight."""
         blocks = self.codes.float().view(self.out_features, -1, self.block)

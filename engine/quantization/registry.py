@@ -65,6 +65,8 @@ def quantization_summary(model: nn.Module) -> str:
     if isinstance(first.dense, PackedLinear):
         text += (f"; steps above {first.kernel_rows} tokens on a packed "
                  f"{first.dense.packed_weight.dtype} copy")
+    elif first.dense is not None and first.kernel_rows:
+        text += f"; steps above {first.kernel_rows} tokens on an fp32 copy"
     elif first.dense is not None:
         text += "; every step on an fp32 copy (the int kernels are slow in fp32)"
     return text

@@ -30,10 +30,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     """The model on `device` at this tensor-parallel rank's size (its layers read only their
     share of each tensor), its linears quantized if asked (engine.quantization), else
     prepacked where that pays. A directory standing for a GGUF file (common.gguf_model) reads
-    the file; `auto` keeps its Q4_0/Q4_1/Q4_K/Q8_0 linears as they are, except in fp32
-    (torch's int4 kernels are slow there) and under tensor parallelism. One that also holds
-    safetensors (the default model) reads those whenever it does not keep the codes: the same
-    floats, read faster."""
+    the file; `auto` keeps its Q4_0/Q4_1/Q4_K/Q8_0 linears as they are (in bf16 and fp32
+    alike), except under tensor parallelism. One that also holds safetensors (the default
+    model) reads those whenever it does not keep the codes (`none`): the float weights."""
     directory = Path(model_dir)
     hf_config = read_hf_config(directory)
     config = ModelConfig.from_hf(hf_config)
@@ -41,8 +40,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = model_class(config.model_type)(config, dtype=dtype)
     source = gguf_source(directory)
-    keep_codes = (source is not None and quantization == "auto" and dtype != torch.float32
-                  and tp_shard().size == 1)
+    keep_codes = source is not None and quantization == "auto" and tp_shard().size == 1
     elsewhere: frozenset[str] = frozenset()
     if source is not None and (keep_codes or not any(directory.glob("*.safetensors"))):
         gguf_tensors = read_tensors(source)

@@ -1,8 +1,9 @@
+#include "avx2.h"
 #include "numerics.h"
 
 #include <algorithm>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +46,30 @@ void channel(const float* xf, int64_t k, const int8_t* q, const float* d, float*
   }
   for (int r = 0; r < kRows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+#elif defined(__AVX2__)
+inline __m256 widen8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+template <int kRows, int kBlock>
+void channel(const float* xf, int64_t k, const int8_t* q, const float* d, float* out) {
+  constexpr int kParts = kBlock / 8;
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 w[kParts];
+    for (int p = 0; p < kParts; ++p) w[p] = widen8(q + b * kBlock + 8 * p);
+    const __m256 scale = _mm256_set1_ps(d[b]);
+    for (int r = 0; r < kRows; ++r) {
+      const float* x = xf + r * k + b * kBlock;
+      __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+      for (int p = 1; p < kParts; ++p) dot = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(x + 8 * p), dot);
+      acc[r] = _mm256_fmadd_ps(scale, dot, acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = sum8(acc[r]);
+}
 #else
 template <int kRows, int kBlock>
 void channel(const float* xf, int64_t k, const int8_t* q, const float* d, float* out) {
@@ -70,7 +95,7 @@ void matmul(const T* x, const int8_t* q, const float* d, T* y, int64_t n, int64_
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t start = 0; start < n; start += kChunk) {
     for (int64_t j = start; j < std::min(n, start + kChunk); ++j) {
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
       if (j + kPrefetchChannels < n) {
         const char* ahead = reinterpret_cast<const char*>(q + (j + kPrefetchChannels) * k);
         for (int64_t line = 0; line < k; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
