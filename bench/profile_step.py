@@ -258,7 +258,8 @@ def main() -> None:
     # "auto": a GGUF --model as it is (its own 4-bit linears), float for safetensors;
     # "none": the float weights (the default model's safetensors).
     runs = [(mode, "auto") for mode in filter(None, args.modes.split(","))]
-    runs += [("eager", method) for method in args.quantization.split(",") if method != "auto"]
+    runs += [("eager", method) for method in args.quantization.split(",")
+             if method not in ("", "auto")]
     for mode, method in runs:
         core = make_core(args, mode, method)
         name = mode if method == "auto" else f"{mode} {method}"
