@@ -26,7 +26,7 @@ from common.default_model import default_gguf_file
 from common.gguf_convert import unpermute_rotary
 from common.gguf_model import prepare_gguf
 from common.sockets import free_port
-from engine.quantization.base import QuantizedLinear
+from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.q8_0 import Q8_0Linear
 from engine.weights.gguf import (
@@ -118,11 +118,11 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
     model_dir = prepare_gguf(str(tiny_gguf), tmp_path / "cache", with_tokenizer=False)
     assert Path(model_dir).name == "tiny-q4"  # served under the file's name
     float_model = load_model(model_dir, torch.float32, torch.device("cpu"), quantization="none")
-    # fp32 keeps the codes too: our kernels read them for steps of up to 4 tokens.
+    # fp32 keeps the codes too: our kernels read them for steps of up to 8 tokens.
     quantized = load_model(model_dir, torch.float32, torch.device("cpu"))
     kept = [module for module in quantized.modules() if isinstance(module, QuantizedLinear)]
     assert len(kept) == 4 * TINY_LLAMA["num_hidden_layers"] + 1
-    assert all(module.kernel_rows == 4 for module in kept)
+    assert all(module.kernel_rows == FLOAT32_KERNEL_ROWS for module in kept)
     layer = quantized.model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    quantized.lm_head):
@@ -136,7 +136,7 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
             ours = layer.get_submodule(name).dequantized_weight()
             theirs = reference.get_submodule(name).weight
             assert (ours - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
-    for length in (1, 4, 40):  # the kernels, then the fp32 copies
+    for length in (1, FLOAT32_KERNEL_ROWS, 40):  # the kernels, then the fp32 copies
         prompt = [(5 * i + 7) % 250 + 3 for i in range(length)]
         difference = prefill_logits(quantized, prompt) - prefill_logits(float_model, prompt)
         assert difference.abs().max().item() < 1e-4

@@ -19,7 +19,7 @@ from torch import nn
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.int4_matmul import load_int4_kernel
 from engine.kernels.q8_0_matmul import load_q8_kernel
-from engine.quantization.base import QuantizedLinear
+from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.q8_0 import Q8_0Linear
@@ -138,22 +138,23 @@ def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) ->
     assert calls == [layer.max_kernel_rows + 1, 64]
 
 
-@pytest.mark.parametrize(("method", "kernel_rows"), [("int8", 0), ("int4", 4)])
+@pytest.mark.parametrize(("method", "kernel_rows"), [("int8", 0), ("int4", FLOAT32_KERNEL_ROWS)])
 def test_fp32_weight_only_layers_multiply_an_fp32_copy_above_their_fp32_kernel(
         method: str, kernel_rows: int) -> None:
     """torch's int8 kernel is slow in fp32: every step on the fp32 copy. int4 (groups of 32)
-    has a kernel of ours for fp32 activations: steps of up to 4 tokens read the codes."""
+    has a kernel of ours for fp32 activations: steps of up to 8 tokens read the codes."""
     assert Int4Linear(torch.randn(8, 64), None).serves_float32 == (load_int4_kernel() is not None)
     layer = LAYERS[method](torch.randn(96, 64), None)
     attach_dense_copies([layer])
     assert layer.kernel_rows == kernel_rows and layer.dense.weight.dtype == torch.float32
     calls: list[int] = []
     layer.dense.register_forward_hook(lambda _, args, __: calls.append(args[0].shape[0]))
-    for rows in (1, 4, 5):
+    sizes = (1, FLOAT32_KERNEL_ROWS, FLOAT32_KERNEL_ROWS + 1)
+    for rows in sizes:
         x = torch.randn(rows, 64)
         expected = reference_product(layer, x)
         assert (layer(x) - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
-    assert calls == [rows for rows in (1, 4, 5) if rows > kernel_rows]
+    assert calls == [rows for rows in sizes if rows > kernel_rows]
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -172,12 +173,43 @@ def test_int4_fp32_kernel_equals_float_math_on_its_codes(group_size: int) -> Non
     weight = ((q.float() - 8) * scale.repeat_interleave(group_size, 1)
               + zero.repeat_interleave(group_size, 1))
     assert torch.equal(layer.dequantized_weight(), weight)
-    for rows in (1, 2, 3, 4, 9):
+    for rows in (1, 2, 3, 4, 9, 70):
         x = torch.randn(rows, 128, generator=generator)
         expected = x @ weight.T + bias
         out = layer(x)
         assert out.shape == (rows, 80)
         assert (out - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["int4", "q8_0", "q8_0-bf16"])
+def test_the_code_kernels_give_a_row_the_same_bits_whatever_shares_the_call(kind: str) -> None:
+    """Each output of our int4 and Q8_0 kernels is one thread's sum in one order: a row alone,
+    among 2..70 others at any position, and on 1 or 2 threads, gives the same bits (what
+    batch-invariant serving needs of a product)."""
+    generator = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16 if kind == "q8_0-bf16" else torch.float32
+    if kind == "int4":
+        layer: QuantizedLinear = Int4Linear.from_codes(
+            torch.randint(0, 16, (48, 96), generator=generator, dtype=torch.uint8),
+            torch.rand(48, 3, generator=generator), torch.randn(48, 3, generator=generator),
+            None, dtype)
+        assert layer.serves_float32
+    else:
+        layer = Q8_0Linear(torch.randint(-127, 128, (48, 96), generator=generator,
+                                         dtype=torch.int8),
+                           torch.rand(48, 3, generator=generator), None, dtype)
+    row = torch.randn(1, 96, generator=generator).to(dtype)
+    alone = layer.product(row)
+    threads = torch.get_num_threads()
+    try:
+        for rows, position, thread_count in ((2, 1, 1), (5, 4, threads), (13, 6, 1), (70, 0, 2),
+                                             (70, 69, threads)):
+            batch = torch.randn(rows, 96, generator=generator).to(dtype)
+            batch[position] = row[0]
+            torch.set_num_threads(thread_count)
+            assert torch.equal(layer.product(batch)[position], alone[0]), (rows, position)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -1,8 +1,9 @@
 """A C++/OpenMP kernel for 4-bit weights and fp32 activations on the CPU
-(`kernels/cpu/int4_matmul.cpp`): y = x Wᵀ for a few rows of x, reading the codes as they are
-(half a byte a weight, fp32 math). torch's own int4 kernel is fast only on bf16 activations; in
-an fp32 model this one serves the decode steps. Built once by `engine.kernels.build`; when it
-cannot be built, the layer multiplies its fp32 copy instead.
+(`kernels/cpu/int4_matmul.cpp`): y = x Wᵀ reading the codes as they are (half a byte a
+weight, fp32 math; a row's sums in one order whatever shares the call). torch's own int4
+kernel is fast only on bf16 activations; in an fp32 model this one serves the decode steps.
+Built once by `engine.kernels.build`; when it cannot be built, the layer multiplies its fp32
+copy instead.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 from engine.kernels.build import I64, INT, PTR, load_library
 
 GROUP = 32  # input channels per scale and offset
-MAX_ROWS = 4  # rows of x per call: one accumulator per row in registers
 
 
 def kernel_serves(device: torch.device, dtype: torch.dtype, group_size: int) -> bool:
@@ -41,13 +41,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def run_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     offsets: torch.Tensor) -> torch.Tensor:
-    """x fp32 [rows ≤ MAX_ROWS, k] times W = q·s + o transposed: codes as `pack_nibbles`
+    """x fp32 [rows, k] times W = q·s + o transposed: codes as `pack_nibbles`
     makes them, scales and offsets fp32 [n, k / 32], all contiguous CPU tensors."""
     kernel = load_int4_kernel()
     assert kernel is not None
     x = x.contiguous()
     n, k = codes.shape[0], codes.shape[1] * 2
-    if (x.dtype != torch.float32 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_ROWS
+    if (x.dtype != torch.float32 or x.shape[1] != k or x.shape[0] < 1
             or scales.shape != (n, k // GROUP) or offsets.shape != scales.shape):
         raise ValueError(f"int4: x {tuple(x.shape)} {x.dtype} against codes "
                          f"{tuple(codes.shape)}, scales {tuple(scales.shape)}")

@@ -1,6 +1,7 @@
 """A C++/OpenMP kernel for Q8_0 weights on the CPU (`kernels/cpu/q8_0_matmul.cpp`; GGUF's
-8-bit type: blocks of 32 int8 codes with one scale each, W = q·d): y = x Wᵀ for a few rows of
-x, reading the codes as they are. A decode step is memory-bound, so reading 1.1 bytes a
+8-bit type: blocks of 32 int8 codes with one scale each, W = q·d): y = x Wᵀ, reading the
+codes as they are (each channel's codes once for every 4 rows of x; a row's sums in one order
+whatever shares the call). A decode step is memory-bound, so reading 1.1 bytes a
 weight instead of bf16's 2 is the whole gain; products and sums stay in fp32, so the result
 is float math on the dequantized weight. Built once by `engine.kernels.build`; when it
 cannot be built, the layer multiplies its dequantized weight instead.
@@ -17,7 +18,6 @@ from engine.kernels.build import I64, INT, PTR, load_library
 
 Q8_BLOCK = 32
 BLOCKS = (16, 32)  # input channels per scale: Q8_0 and Q5_0 blocks, Q6_K's sub-blocks
-MAX_ROWS = 4  # rows of x per call: the kernel keeps one accumulator per row in registers
 
 
 def kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
@@ -27,7 +27,7 @@ def kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows ≤ MAX_ROWS, k] (bf16 or fp32, contiguous) times the int8 weight transposed:
+    """x [rows, k] (bf16 or fp32, contiguous) times the int8 weight transposed:
     codes int8 [n, k], scales float32 [n, k / block] (block 32 or 16), both contiguous CPU
     tensors."""
     kernel = load_q8_kernel()

@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.int4_matmul import (
-    MAX_ROWS,
-    kernel_serves,
-    pack_nibbles,
-    run_int4_matmul,
-    unpack_nibbles,
-)
+from engine.kernels.int4_matmul import kernel_serves, pack_nibbles, run_int4_matmul, unpack_nibbles
 from engine.quantization.base import DEFAULT_GROUP_SIZE, QuantizedLinear
 
 INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at q = 8
@@ -20,7 +14,7 @@ INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at
 
 class Int4Linear(QuantizedLinear):
     method = "int4"
-    max_kernel_rows = MAX_ROWS
+    max_kernel_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int = DEFAULT_GROUP_SIZE) -> None:
@@ -102,7 +96,7 @@ class Int4Linear(QuantizedLinear):
         self._loading_codes = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self._float_kernel_args is not None and x.shape[0] <= MAX_ROWS:
+        if self._float_kernel_args is not None:
             return run_int4_matmul(x, *self._float_kernel_args)
         if self._kernel_args is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)

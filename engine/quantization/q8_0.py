@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.q8_0_matmul import BLOCKS, kernel_serves, run_q8_0_matmul
-from engine.kernels.q8_0_matmul import MAX_ROWS as Q8_MAX_ROWS
 from engine.quantization.base import QuantizedLinear
 
 
@@ -17,7 +16,7 @@ class Q8_0Linear(QuantizedLinear):
     copy, or multiply the dequantized weight where no kernel builds."""
 
     method = "q8_0"
-    max_kernel_rows = Q8_MAX_ROWS
+    max_kernel_rows = 4
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -46,6 +45,6 @@ class Q8_0Linear(QuantizedLinear):
         return (blocks * self.block_scales[..., None]).view(self.out_features, -1)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_kernel and x.shape[0] <= Q8_MAX_ROWS:
+        if self.uses_kernel:
             return run_q8_0_matmul(x, self.codes, self.block_scales)
         return (x.float() @ self.dequantized_weight().to(x.device).T).to(x.dtype)

@@ -1,7 +1,11 @@
-// y = x Wᵀ for a few fp32 rows of x and a 4-bit weight held as codes: W = q·s + o per group
-// of 32 input channels (q in 0..15; the int4 layer's (q - 8)·s + z with o = z - 8·s). A decode
-// step reads each weight once, so reading half a byte a weight instead of fp32's four is the
-// whole gain; products and sums stay in fp32: float math on the dequantized weight.
+// y = x Wᵀ for fp32 rows of x and a 4-bit weight held as codes: W = q·s + o per group of 32
+// input channels (q in 0..15; the int4 layer's (q - 8)·s + z with o = z - 8·s). Reading half a
+// byte a weight instead of fp32's four is the gain while a step is memory-bound; products and
+// sums stay in fp32: float math on the dequantized weight.
+//
+// A row's sums run in one fixed order whatever the other rows, their number and the threads
+// (each output computed whole by one thread, no split over k): a row's bits never depend on
+// what shares its step.
 //
 // Codes: [n][k / 2] bytes, group after group; in a group's 16 bytes, byte b holds code b in
 // its low nibble and code b + 16 in its high one (GGUF's Q4_1 order).
@@ -16,105 +20,148 @@
 
 namespace {
 
-constexpr int kMaxRows = 4;
 constexpr int64_t kGroup = 32;
-constexpr int64_t kChunk = 32;  // output channels per OpenMP task
+constexpr int kRowBlock = 4;      // rows sharing one pass over a channel's codes
+constexpr int64_t kChunk = 16;    // output channels per OpenMP task
 constexpr int64_t kPrefetchChannels = 4;
 
 #if defined(__AVX512F__)
-// Σ over the group's 32 codes of q·x, as 16 lanes of partial sums.
-inline __m512 group_dot(__m128i bytes, const float* x) {
-  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));
-  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
-  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
-  return _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(x)));
-}
-
-template <int kRows>
-void channel_codes(const float* xf, int64_t k, const uint8_t* q, const float* s, float* out) {
-  __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
-    const __m512 scale = _mm512_set1_ps(s[g]);
-    for (int r = 0; r < kRows; ++r)
-      acc[r] = _mm512_fmadd_ps(scale, group_dot(bytes, xf + r * k + g * kGroup), acc[r]);
-  }
-  for (int r = 0; r < kRows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+// Codes part·16 .. part·16 + 15 of a group's bytes, times the group's scale.
+inline Vec scaled_codes(__m128i bytes, int part, Vec scale) {
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i codes = part == 0 ? _mm_and_si128(bytes, mask)
+                                  : _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), scale);
 }
 #elif defined(__AVX2__)
-inline __m256 widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
-
-template <int kRows>
-void channel_codes(const float* xf, int64_t k, const uint8_t* q, const float* s, float* out) {
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return sum8(v); }
+// Codes part·8 .. part·8 + 7 of a group's bytes, times the group's scale.
+inline Vec scaled_codes(__m128i bytes, int part, Vec scale) {
   const __m128i mask = _mm_set1_epi8(0x0f);
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
-    const __m128i low = _mm_and_si128(bytes, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m256 q0 = widen8(low), q1 = widen8(_mm_srli_si128(low, 8));
-    const __m256 q2 = widen8(high), q3 = widen8(_mm_srli_si128(high, 8));
-    const __m256 scale = _mm256_set1_ps(s[g]);
-    for (int r = 0; r < kRows; ++r) {
-      const float* x = xf + r * k + g * kGroup;
-      __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
-      dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), dot);
-      dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), dot);
-      dot = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), dot);
-      acc[r] = _mm256_fmadd_ps(scale, dot, acc[r]);
+  __m128i codes = part < 2 ? _mm_and_si128(bytes, mask)
+                           : _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  if (part & 1) codes = _mm_srli_si128(codes, 8);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), scale);
+}
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+// Σ_k q·s·x for kChannels channels (codes q and scales s one channel's worth apart) and kRows
+// rows of x; out[c * kRows + r]. Each row's sum runs in the same order for any kRows.
+template <int kChannels, int kRows>
+void block(const float* x, int64_t k, const uint8_t* q, const float* s, float* out) {
+  const int64_t groups = k / kGroup;
+  Vec acc[kChannels][kRows];
+  for (int c = 0; c < kChannels; ++c)
+    for (int r = 0; r < kRows; ++r) acc[c][r] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m128i bytes[kChannels];
+    Vec scale[kChannels];
+    for (int c = 0; c < kChannels; ++c) {
+      bytes[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * k / 2 + g * 16));
+      scale[c] = vset(s[c * groups + g]);
+    }
+    for (int part = 0; part < kGroup / kLanes; ++part) {
+      Vec w[kChannels];
+      for (int c = 0; c < kChannels; ++c) w[c] = scaled_codes(bytes[c], part, scale[c]);
+      for (int r = 0; r < kRows; ++r) {
+        const Vec xv = vload(x + r * k + g * kGroup + part * kLanes);
+        for (int c = 0; c < kChannels; ++c) acc[c][r] = vfma(w[c], xv, acc[c][r]);
+      }
     }
   }
-  for (int r = 0; r < kRows; ++r) out[r] = sum8(acc[r]);
+  for (int c = 0; c < kChannels; ++c)
+    for (int r = 0; r < kRows; ++r) out[c * kRows + r] = vsum(acc[c][r]);
 }
 #else
-template <int kRows>
-void channel_codes(const float* xf, int64_t k, const uint8_t* q, const float* s, float* out) {
-  for (int r = 0; r < kRows; ++r) {
-    float total = 0.f;
-    for (int64_t g = 0; g < k / kGroup; ++g) {
-      float dot = 0.f;
-      for (int64_t b = 0; b < 16; ++b) {
-        const uint8_t byte = q[g * 16 + b];
-        dot += float(byte & 15) * xf[r * k + g * kGroup + b] +
-               float(byte >> 4) * xf[r * k + g * kGroup + b + 16];
-      }
-      total += s[g] * dot;
+template <int kChannels, int kRows>
+void block(const float* x, int64_t k, const uint8_t* q, const float* s, float* out) {
+  const int64_t groups = k / kGroup;
+  for (int c = 0; c < kChannels; ++c)
+    for (int r = 0; r < kRows; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t b = 0; b < 16; ++b) {
+          const uint8_t byte = q[c * k / 2 + g * 16 + b];
+          const float scale = s[c * groups + g];
+          total += float(byte & 15) * scale * x[r * k + g * kGroup + b];
+          total += float(byte >> 4) * scale * x[r * k + g * kGroup + b + 16];
+        }
+      out[c * kRows + r] = total;
     }
-    out[r] = total;
-  }
 }
 #endif
 
-template <int kRows>
-void matmul(const float* x, const uint8_t* q, const float* s, const float* o, float* y,
-            int64_t n, int64_t k, int threads) {
-  const int64_t groups = k / kGroup;
-  // Σx per group and row: the offsets' share of every channel is Σ_g o_g · Σx_g.
-  std::vector<float> group_sums(kRows * groups, 0.f);
-  for (int r = 0; r < kRows; ++r)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t i = 0; i < kGroup; ++i) group_sums[r * groups + g] += x[r * k + g * kGroup + i];
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t start = 0; start < n; start += kChunk) {
-    for (int64_t j = start; j < std::min(n, start + kChunk); ++j) {
-#if defined(__AVX2__) || defined(__AVX512F__)
-      if (j + kPrefetchChannels < n) {
-        const char* ahead = reinterpret_cast<const char*>(q + (j + kPrefetchChannels) * k / 2);
-        for (int64_t line = 0; line < k / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      }
-#endif
-      float out[kRows];
-      channel_codes<kRows>(x, k, q + j * k / 2, s + j * groups, out);
-      const float* offsets = o + j * groups;
-      for (int r = 0; r < kRows; ++r) {
-        float shift = 0.f;
-        for (int64_t g = 0; g < groups; ++g) shift += offsets[g] * group_sums[r * groups + g];
-        y[r * n + j] = out[r] + shift;
-      }
+template <int kChannels>
+void rows_block(const float* x, int64_t rows, int64_t k, const uint8_t* q, const float* s,
+                float* out) {
+  switch (rows) {
+    case 1: return block<kChannels, 1>(x, k, q, s, out);
+    case 2: return block<kChannels, 2>(x, k, q, s, out);
+    case 3: return block<kChannels, 3>(x, k, q, s, out);
+    default: return block<kChannels, 4>(x, k, q, s, out);
+  }
+}
+
+struct Problem {
+  const float* x;
+  int64_t rows;
+  const uint8_t* q;
+  const float* s;
+  const float* o;
+  float* y;
+  int64_t n, k;
+  const float* group_sums;  // [rows][k / 32]: Σx per group
+};
+
+// Output channels [first, first + count), count <= 2, for rows [row, row + count_rows).
+void channels(const Problem& p, int64_t first, int count, int64_t row, int64_t count_rows) {
+  const int64_t groups = p.k / kGroup;
+  const float* x = p.x + row * p.k;
+  const uint8_t* q = p.q + first * p.k / 2;
+  const float* s = p.s + first * groups;
+  float out[2 * kRowBlock];
+  if (count == 2) rows_block<2>(x, count_rows, p.k, q, s, out);
+  else rows_block<1>(x, count_rows, p.k, q, s, out);
+  for (int c = 0; c < count; ++c) {
+    const float* offsets = p.o + (first + c) * groups;
+    for (int64_t r = 0; r < count_rows; ++r) {
+      const float* sums = p.group_sums + (row + r) * groups;
+      float shift = 0.f;
+      for (int64_t g = 0; g < groups; ++g) shift += offsets[g] * sums[g];
+      p.y[(row + r) * p.n + first + c] = out[c * count_rows + r] + shift;
     }
+  }
+}
+
+void matmul(const Problem& p, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t start = 0; start < p.n; start += kChunk) {
+    const int64_t end = std::min(p.n, start + kChunk);
+#if defined(__AVX2__) || defined(__AVX512F__)
+    if (end + kPrefetchChannels <= p.n) {
+      const char* ahead = reinterpret_cast<const char*>(p.q + end * p.k / 2);
+      for (int64_t line = 0; line < kPrefetchChannels * p.k / 2; line += 64)
+        _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+#endif
+    for (int64_t row = 0; row < p.rows; row += kRowBlock)
+      for (int64_t j = start; j < end; j += 2)
+        channels(p, j, int(std::min<int64_t>(2, end - j)), row,
+                 std::min<int64_t>(kRowBlock, p.rows - row));
   }
 }
 
@@ -124,12 +171,13 @@ void matmul(const float* x, const uint8_t* q, const float* s, const float* o, fl
 // scales s and offsets o [n, k / 32], all fp32. 1 when the arguments are out of range.
 extern "C" int loom_int4_matmul(const float* x, int64_t rows, const uint8_t* q, const float* s,
                                 const float* o, float* y, int64_t n, int64_t k, int threads) {
-  if (rows < 1 || rows > kMaxRows || k % kGroup) return 1;
-  switch (rows) {
-    case 1: matmul<1>(x, q, s, o, y, n, k, threads); break;
-    case 2: matmul<2>(x, q, s, o, y, n, k, threads); break;
-    case 3: matmul<3>(x, q, s, o, y, n, k, threads); break;
-    case 4: matmul<4>(x, q, s, o, y, n, k, threads); break;
-  }
+  if (rows < 1 || k % kGroup) return 1;
+  const int64_t groups = k / kGroup;
+  // Σx per group and row, in one order: the offsets' share of every output, Σ_g o_g · Σx_g.
+  std::vector<float> group_sums(rows * groups, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = 0; i < kGroup; ++i) group_sums[r * groups + g] += x[r * k + g * kGroup + i];
+  matmul({x, rows, q, s, o, y, n, k, group_sums.data()}, threads);
   return 0;
 }

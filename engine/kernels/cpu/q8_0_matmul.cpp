@@ -9,7 +9,7 @@
 
 namespace {
 
-constexpr int kMaxRows = 4;
+constexpr int kMaxRows = 4;  // rows per pass over a channel, one accumulator each
 constexpr int64_t kChunk = 64;  // output channels per OpenMP task
 // Channels to prefetch ahead: with a few KB in flight a core streams the codes at ~20 GB/s
 // instead of the hardware prefetcher's ~15 (a decode step reads each weight once, from DRAM).
@@ -87,11 +87,24 @@ void channel(const float* xf, int64_t k, const int8_t* q, const float* d, float*
 }
 #endif
 
-template <typename T, int kRows, int kBlock>
-void matmul(const T* x, const int8_t* q, const float* d, T* y, int64_t n, int64_t k,
-            int threads) {
-  std::vector<float> xf(kRows * k);
-  for (int64_t i = 0; i < kRows * k; ++i) xf[i] = to_float(x[i]);
+// Rows [0, rows <= kMaxRows) of xf against one channel; each row's sum in the same order for
+// any number of rows beside it.
+template <int kBlock>
+void channel_rows(const float* xf, int64_t rows, int64_t k, const int8_t* q, const float* d,
+                  float* out) {
+  switch (rows) {
+    case 1: return channel<1, kBlock>(xf, k, q, d, out);
+    case 2: return channel<2, kBlock>(xf, k, q, d, out);
+    case 3: return channel<3, kBlock>(xf, k, q, d, out);
+    default: return channel<4, kBlock>(xf, k, q, d, out);
+  }
+}
+
+template <typename T, int kBlock>
+void matmul(const T* x, int64_t rows, const int8_t* q, const float* d, T* y, int64_t n,
+            int64_t k, int threads) {
+  std::vector<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_float(x[i]);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t start = 0; start < n; start += kChunk) {
     for (int64_t j = start; j < std::min(n, start + kChunk); ++j) {
@@ -101,29 +114,22 @@ void matmul(const T* x, const int8_t* q, const float* d, T* y, int64_t n, int64_
         for (int64_t line = 0; line < k; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       }
 #endif
-      float out[kRows];
-      channel<kRows, kBlock>(xf.data(), k, q + j * k, d + j * (k / kBlock), out);
-      for (int r = 0; r < kRows; ++r) store(y + r * n + j, out[r]);
+      for (int64_t row = 0; row < rows; row += kMaxRows) {
+        const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
+        float out[kMaxRows];
+        channel_rows<kBlock>(xf.data() + row * k, count, k, q + j * k, d + j * (k / kBlock),
+                             out);
+        for (int64_t r = 0; r < count; ++r) store(y + (row + r) * n + j, out[r]);
+      }
     }
-  }
-}
-
-template <typename T, int kBlock>
-void dispatch(const T* x, int64_t rows, const int8_t* q, const float* d, T* y, int64_t n,
-              int64_t k, int threads) {
-  switch (rows) {
-    case 1: return matmul<T, 1, kBlock>(x, q, d, y, n, k, threads);
-    case 2: return matmul<T, 2, kBlock>(x, q, d, y, n, k, threads);
-    case 3: return matmul<T, 3, kBlock>(x, q, d, y, n, k, threads);
-    case 4: return matmul<T, 4, kBlock>(x, q, d, y, n, k, threads);
   }
 }
 
 template <typename T>
 void dispatch_block(const T* x, int64_t rows, const int8_t* q, const float* d, T* y,
                     int64_t n, int64_t k, int64_t block, int threads) {
-  if (block == 16) return dispatch<T, 16>(x, rows, q, d, y, n, k, threads);
-  return dispatch<T, 32>(x, rows, q, d, y, n, k, threads);
+  if (block == 16) return matmul<T, 16>(x, rows, q, d, y, n, k, threads);
+  return matmul<T, 32>(x, rows, q, d, y, n, k, threads);
 }
 
 }  // namespace
@@ -134,7 +140,7 @@ void dispatch_block(const T* x, int64_t rows, const int8_t* q, const float* d, T
 extern "C" int loom_q8_0_matmul(int is_bf16, const void* x, int64_t rows, const int8_t* q,
                                 const float* d, void* y, int64_t n, int64_t k, int64_t block,
                                 int threads) {
-  if (rows < 1 || rows > kMaxRows || (block != 16 && block != 32) || k % block) return 1;
+  if (rows < 1 || (block != 16 && block != 32) || k % block) return 1;
   if (is_bf16)
     dispatch_block(static_cast<const uint16_t*>(x), rows, q, d, static_cast<uint16_t*>(y), n,
                    k, block, threads);
