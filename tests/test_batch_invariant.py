@@ -26,7 +26,7 @@ from tests.model_fixtures import build_tiny_llama_dir
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
-           ("bfloat16", "int4"), ("bfloat16", "w8a8"), ("float32", "w8a8")]
+           ("bfloat16", "int4"), ("bfloat16", "w8a8"), ("float32", "w8a8"), ("float32", "int4")]
 PROMPT = [5 + (7 * i) % 300 for i in range(45)]  # 45 tokens: two full blocks and a part
 OUTPUT_TOKENS = 12
 
@@ -85,6 +85,16 @@ def run(model_dir: str, dtype: str, quantization: str, requests: list[AddRequest
 def test_a_rows_logits_do_not_depend_on_its_step(model_dir: str, dtype: str,
                                                   quantization: str) -> None:
     assert_invariant(model_dir, dtype, quantization)
+
+
+def test_on_code_kernels_alone_the_mode_pads_nothing(model_dir: str) -> None:
+    """fp32 with every linear int4 (groups of 32): our kernel sums each output in one order,
+    so the mode runs it at every step size and pads no step (test above: fp32-int4)."""
+    coded = make_core(model_dir, dtype="float32", quantization="int4", batch_invariant=True)
+    assert coded.runner.kernels.code_kernels and not coded.runner.kernels.padded_steps
+    assert "every product on the codes" in coded.runner.kernels.describe()
+    dense = make_core(model_dir, dtype="float32", quantization="none", batch_invariant=True)
+    assert not dense.runner.kernels.code_kernels and dense.runner.kernels.padded_steps
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("bfloat16", "int4")],

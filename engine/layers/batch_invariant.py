@@ -16,11 +16,14 @@ batch-invariant mode; by default the steps that compute prompt rows) runs at lea
 computes only the real ones), a routed expert pads the rows that reach it, the output head the
 rows it samples. In the mode,
 weight-only layers also multiply with their dense copy at every size, and every query row is a
-decode row of the C++ attention kernel.
+decode row of the C++ attention kernel. Where every product of the model is a kernel of ours on
+codes (fp32 with a GGUF's int4 / Q8_0 linears), which sums each output in one order whatever
+shares the call, the mode pads nothing and those kernels take every step.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -56,3 +59,11 @@ def use_dense_copies(model: nn.Module) -> int:
     for layer in layers:
         layer.kernel_rows = 0
     return len(layers)
+
+
+def use_code_kernels(model: nn.Module) -> None:
+    """Quantized layers multiply with their code kernels at every row count (the mode's, where
+    every product has one: engine.executor.kernel_choice.code_kernels_only)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.kernel_rows = sys.maxsize
