@@ -118,7 +118,7 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
     model_dir = prepare_gguf(str(tiny_gguf), tmp_path / "cache", with_tokenizer=False)
     assert Path(model_dir).name == "tiny-q4"  # served under the file's name
     float_model = load_model(model_dir, torch.float32, torch.device("cpu"), quantization="none")
-    # fp32 keeps the codes too: our kernels read them for steps of up to 8 tokens.
+    # fp32 keeps the codes too: our kernels read them for steps of up to 15 tokens.
     quantized = load_model(model_dir, torch.float32, torch.device("cpu"))
     kept = [module for module in quantized.modules() if isinstance(module, QuantizedLinear)]
     assert len(kept) == 4 * TINY_LLAMA["num_hidden_layers"] + 1

@@ -19,6 +19,7 @@ from torch import nn
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.int4_matmul import load_int4_kernel
 from engine.kernels.q8_0_matmul import load_q8_kernel
+from engine.layers.batch_invariant import MIN_ROWS_FP32
 from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.int8 import Int8Linear
@@ -142,7 +143,9 @@ def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) ->
 def test_fp32_weight_only_layers_multiply_an_fp32_copy_above_their_fp32_kernel(
         method: str, kernel_rows: int) -> None:
     """torch's int8 kernel is slow in fp32: every step on the fp32 copy. int4 (groups of 32)
-    has a kernel of ours for fp32 activations: steps of up to 8 tokens read the codes."""
+    has a kernel of ours for fp32 activations: steps of up to 15 tokens read the codes, below
+    the rows a padded prompt step multiplies (so prompts always take the copy)."""
+    assert FLOAT32_KERNEL_ROWS < MIN_ROWS_FP32
     assert Int4Linear(torch.randn(8, 64), None).serves_float32 == (load_int4_kernel() is not None)
     layer = LAYERS[method](torch.randn(96, 64), None)
     attach_dense_copies([layer])

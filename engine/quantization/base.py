@@ -23,10 +23,11 @@ from engine.quantization.unquantized import PackedLinear
 
 DEFAULT_GROUP_SIZE = 32
 # fp32 steps of up to this many tokens read the codes (kernels of ours); larger ones the fp32
-# copy. Below the 16 rows a step with prompt rows multiplies (engine.layers.batch_invariant),
-# so a prompt's rows always take the copy. AVX2-only EPYC, the default model's 120 int4
-# linears: 8 rows 41 vs 107 ms, 16 rows 76 vs 142, 64 rows 357 vs 232.
-FLOAT32_KERNEL_ROWS = 8
+# copy. One below the 16 rows a step with prompt rows multiplies (MIN_ROWS_FP32 in
+# engine.layers.batch_invariant), so a prompt's rows always take the copy. AVX2-only EPYC,
+# the default model's 120 int4 linears: 8 rows 41 vs 107 ms, 16 rows 76 vs 142, 64 rows 357
+# vs 232.
+FLOAT32_KERNEL_ROWS = 15
 
 
 class QuantizedLinear(nn.Module):
