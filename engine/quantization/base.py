@@ -1,15 +1,15 @@
 """What every quantized linear layer is: a weight held quantized, multiplied by its method's
 kernel, answering to float math on its own dequantized weight (`dequantized_weight`).
 
-Weight-only kernels win only while a step is memory-bound (docs/benchmarks.md has the
-figures). In fp32 torch's int8/int4 kernels are many times slower than `F.linear`, so an fp32
-weight-only layer keeps its dequantized weight in fp32 and multiplies that, except for steps
-of up to `max_kernel_rows` tokens where a kernel of ours reads the codes with fp32 math (a
-GGUF's Q8_0 and 4-bit codes, `serves_float32`). Where oneDNN packs bf16 natively, a
-weight-only layer also keeps its dequantized weight as a packed bf16 copy and multiplies
-steps above `max_kernel_rows` tokens with it: small decode batches read the small weights,
-large batches and prefill run at the bf16 rate, and the copy costs memory (reported at load).
-bf16 without native bf16 runs torch's packed CPU kernels (`_weight_int8pack_mm`,
+Weight-only kernels win only while a step is memory-bound (docs/benchmarks.md has the figures).
+In fp32 torch's int8/int4 kernels are many times slower than `F.linear`, so an fp32 weight-only
+layer keeps its dequantized weight in fp32 and multiplies that, except for steps of up to
+`FLOAT32_KERNEL_ROWS` tokens where a kernel of ours reads the codes with fp32 math (int4 in
+groups of 32 and Q8_0: a GGUF's codes, `serves_float32`). Where oneDNN packs bf16 natively, a
+weight-only layer also keeps its dequantized weight as a packed bf16 copy and multiplies steps
+above `max_kernel_rows` tokens with it: small decode batches read the small weights, large
+batches and prefill run at the bf16 rate, and the copy costs memory (reported at load). bf16
+without native bf16 runs torch's packed CPU kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) at every size; off CPU each call multiplies the dequantized
 weight, correct but slow. w8a8 keeps no copy: its activations are quantized too.
 """
