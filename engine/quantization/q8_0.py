@@ -11,9 +11,10 @@ from engine.quantization.base import QuantizedLinear
 class Q8_0Linear(QuantizedLinear):
     """A GGUF Q8_0 weight held as the file has it: int8 codes q [N, K] and one scale per block
     of 32 input channels, W = q·d (Q5_0 and Q6_K tensors load into it exactly too, Q6_K with
-    a scale per 16 input channels). Up to `max_kernel_rows` tokens run the C++ kernel on the
-    codes (engine.kernels.q8_0_matmul: half bf16's bytes, fp32 math); larger steps run the packed
-    copy, or multiply the dequantized weight where no kernel builds."""
+    a scale per 16 input channels). Up to `max_kernel_rows` tokens in bf16, `FLOAT32_KERNEL_ROWS`
+    in fp32, run the C++ kernel on the codes (engine.kernels.q8_0_matmul: fp32 math); larger
+    steps run the packed or fp32 copy; where no kernel builds, every step multiplies the
+    dequantized weight."""
 
     method = "q8_0"
     max_kernel_rows = 4
