@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default_cache_dir
 
 from common.default_model import default_cache_dir
 
@@ -33,7 +32,12 @@ Forward = Callable[[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.T
 
 def configure_inductor() -> None:
     """Inductor's caches go under $LOOM_CACHE unless TORCHINDUCTOR_CACHE_DIR says otherwise
-    (torch writes its own default into that variable the first time it reads it)."""
+    (torch writes its own default into that variable the first time it reads it). Inductor
+    is imported here, not at the top: it costs an eager engine's start ~1.3 s."""
+    from torch._inductor.runtime.cache_dir_utils import (
+        default_cache_dir as torch_default_cache_dir,
+    )
+
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, torch_default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(default_cache_dir() / "inductor")
     import torch.fx.experimental._config as fx_config
