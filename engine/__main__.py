@@ -30,7 +30,7 @@ class StopOnSigterm:
     def __call__(self, signum: int, frame: object) -> None:
         if self.server is None:
             raise SystemExit(0)
-        self.server.running = False
+        self.server.stop()
 
 
 def main() -> int:
@@ -77,4 +77,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is closed in order by now; skip the interpreter's teardown, which frees a
+    # large KV cache page by page (~0.4 s for 5.6 GiB) while launch.py waits on the exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

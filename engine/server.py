@@ -55,6 +55,18 @@ class EngineServer:
         self.num_bad_frames = 0
         self.parent_pid = os.getppid()
         self.running = True
+        self._wake_read, self._wake_write = os.pipe()  # `stop` ends an idle poll at once
+        self.poller = zmq.Poller()
+        self.poller.register(self.requests, zmq.POLLIN)
+        self.poller.register(self._wake_read, zmq.POLLIN)
+
+    def stop(self) -> None:
+        """Ends the loop after its step or poll; safe from a signal handler."""
+        self.running = False
+        os.write(self._wake_write, b"\0")
+
+    def _requests_arrived(self, timeout_ms: int) -> bool:
+        return self.requests in dict(self.poller.poll(timeout_ms))
 
     def serve_forever(self) -> None:
         try:
@@ -65,7 +77,7 @@ class EngineServer:
                         self._report_idle()
                     was_busy = False
                     waiting = self.core.num_awaiting_grammar
-                    if not self.requests.poll(GRAMMAR_POLL_MS if waiting else IDLE_POLL_MS):
+                    if not self._requests_arrived(GRAMMAR_POLL_MS if waiting else IDLE_POLL_MS):
                         self._stop_if_orphaned()
                         self._announce_on_new_links()
                         self._admit_constrained()
@@ -167,3 +179,5 @@ class EngineServer:
         self.requests.close(linger=0)
         self.outputs.close()
         self.context.term()
+        os.close(self._wake_read)
+        os.close(self._wake_write)

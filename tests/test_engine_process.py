@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import msgpack
@@ -26,6 +27,7 @@ from common.protocol import (
 from common.sampling import SamplingParams
 from common.sockets import Endpoints, make_socket
 from engine.__main__ import StopOnSigterm
+from engine.server import EngineServer
 from tests.model_fixtures import build_tiny_llama_dir
 
 RECV_TIMEOUT_MS = 30_000
@@ -152,7 +154,21 @@ def test_a_sigterm_handler_that_raises_only_before_the_loop_serves():
     stop = StopOnSigterm()
     with pytest.raises(SystemExit):
         stop(signal.SIGTERM, None)
-    server = SimpleNamespace(running=True)
-    stop.server = server
+    stops = []
+    stop.server = SimpleNamespace(stop=lambda: stops.append(True))
     stop(signal.SIGTERM, None)  # must not raise: a swallowed exception kept engines alive
-    assert server.running is False
+    assert stops == [True]
+
+
+def test_stop_ends_an_idle_wait_for_requests_at_once():
+    endpoints = Endpoints.private_ipc()
+    server = EngineServer(SimpleNamespace(), endpoints.requests, endpoints.outputs)
+    try:
+        server.stop()
+        started = time.monotonic()
+        assert not server._requests_arrived(timeout_ms=60_000)
+        assert time.monotonic() - started < 30  # the wake-up, not the poll's timeout
+        assert not server.running
+    finally:
+        server.close()
+        endpoints.remove()
