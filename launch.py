@@ -1,4 +1,5 @@
-"""Loom launcher: spawn the engine, wait for its READY, spawn the frontend, supervise both.
+"""Loom launcher: spawn the engine and the frontend, hand the engine's READY to the frontend,
+supervise both.
 
     python launch.py [--model DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto] ...
 
@@ -20,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 
 from common.config import EngineConfig, add_engine_args
@@ -134,6 +136,8 @@ class Launcher:
         if args.headless or self.remote:
             self.env[SECRET_ENV] = load_secret(args.data_parallel_secret_file).decode()
         self.frontend: subprocess.Popen | None = None
+        self.info_pipe: int | None = None  # the write end of the frontend's --engine-info-fd
+        self.ready_pipes: list[int] = []
         self.config: EngineConfig | None = None
         self.stopping = False
 
@@ -148,12 +152,15 @@ class Launcher:
             named["frontend"] = self.frontend
         return named
 
-    def start_engines(self, config: EngineConfig) -> Ready | None:
-        """Every local rank at once (each loads the model in parallel); the first's READY
-        (None when every engine runs on another host)."""
+    def spawn_engines(self, config: EngineConfig) -> None:
+        """Every local rank at once (each loads the model in parallel)."""
         self.config = config
-        pipes = [self._spawn_engine(slot) for slot in self.engines]
-        readies = [self._await_ready(slot, pipe) for slot, pipe in zip(self.engines, pipes,
+        self.ready_pipes = [self._spawn_engine(slot) for slot in self.engines]
+
+    def await_engines(self) -> Ready | None:
+        """The first local rank's READY (None when every engine runs on another host)."""
+        readies = [self._await_ready(slot, pipe) for slot, pipe in zip(self.engines,
+                                                                       self.ready_pipes,
                                                                        strict=True)]
         return readies[0] if readies else None
 
@@ -202,9 +209,10 @@ class Launcher:
             raise ChildFailed(f"{name} closed its READY pipe without sending READY")
         return b"".join(chunks)
 
-    def start_frontend(self, model_dir: str, ready: Ready | None) -> None:
-        """`ready`: the first local engine's; None when all engines run on other hosts (the
-        frontend then learns what they serve from the first to connect)."""
+    def spawn_frontend(self, model_dir: str) -> None:
+        """Started beside the engines: it loads its tokenizer while they load the model, and
+        waits for the first local engine's READY on a pipe (`await_frontend` sends it). With
+        every engine on another host it learns what they serve from the first to connect."""
         engine_flags = []
         for slot in self.engines:
             assert slot.process is not None
@@ -214,14 +222,17 @@ class Launcher:
         for endpoints in self.remote:
             engine_flags += ["--requests-addr", endpoints.requests,
                              "--outputs-addr", endpoints.outputs, "--engine-pid", "0"]
-        if ready is not None:
-            served_name = ready.model_name
-            engine_flags += ["--engine-info", json.dumps(asdict(ready))]
-        else:
-            served_name = self.args.served_model_name or model_dir.rstrip("/").split("/")[-1]
+        pass_fds: tuple[int, ...] = ()
+        if self.engines:
+            read_fd, self.info_pipe = os.pipe()
+            pass_fds = (read_fd,)
+            engine_flags += ["--engine-info-fd", str(read_fd)]
+        served_name = self.args.served_model_name or (
+            None if self.engines else model_dir.rstrip("/").split("/")[-1])
         command = [sys.executable, "-m", "frontend", "--host", self.args.host,
                    "--port", str(self.args.port), *engine_flags,
-                   "--model-dir", model_dir, "--served-model-name", served_name,
+                   "--model-dir", model_dir,
+                   *(["--served-model-name", served_name] if served_name else []),
                    "--log-level", self.args.log_level,
                    "--shutdown-timeout", str(self.args.shutdown_timeout),
                    "--max-waiting-requests", str(self.args.max_waiting_requests),
@@ -241,8 +252,17 @@ class Launcher:
         env = {name: value for name, value in self.env.items() if name != API_KEY_ENV}
         if self.args.api_key:
             env[API_KEY_ENV] = self.args.api_key
-        self.frontend = subprocess.Popen(command, env=env,
+        self.frontend = subprocess.Popen(command, env=env, pass_fds=pass_fds,
                                          preexec_fn=lambda: die_with_parent(own_group=True))
+        for fd in pass_fds:
+            os.close(fd)
+
+    def await_frontend(self, ready: Ready | None) -> None:
+        """Sends the frontend `ready` and waits for its /health to answer."""
+        if self.info_pipe is not None:
+            with suppress(BrokenPipeError), os.fdopen(self.info_pipe, "wb") as pipe:
+                self.info_pipe = None  # a frontend that died meanwhile is named below
+                pipe.write(json.dumps(asdict(ready)).encode())
         url = f"http://{self.args.host}:{self.args.port}/health"
         deadline = time.monotonic() + FRONTEND_READY_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -314,6 +334,9 @@ class Launcher:
                               "of each died before READY)")
 
     def stop_all(self) -> None:
+        if self.info_pipe is not None:  # no READY came: the frontend exits on the empty pipe
+            os.close(self.info_pipe)
+            self.info_pipe = None
         # The frontend goes first: it stops accepting and lets in-flight requests finish
         # (up to --shutdown-timeout) while the engines still serve them.
         # After its drain the frontend takes up to ~2 s more to abort what is left and close.
@@ -412,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         args.served_model_name = args.model  # not the snapshot's commit hash
     try:
         config = EngineConfig.from_args(args, model_dir)
-        ready = launcher.start_engines(config)
+        launcher.spawn_engines(config)
+        if not args.headless:
+            launcher.spawn_frontend(model_dir)
+        ready = launcher.await_engines()
         local = args.data_parallel_size_local
         if ready is not None:
             engines = "engine" if local == 1 else f"{local} engines"
@@ -424,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.data_parallel_start_rank + local - 1} connect to the frontend at "
                 f"{args.data_parallel_address}")
         else:
-            launcher.start_frontend(model_dir, ready)
+            launcher.await_frontend(ready)
             awaited = "" if ready is not None else "; waiting for engines on other hosts"
             say(f"serving {ready.model_name if ready else model_dir} at "
                 f"http://{args.host}:{args.port}/v1 (ready in "

@@ -7,8 +7,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-info", default=None, help="JSON object of the engine's Ready fields"
     )
     parser.add_argument(
+        "--engine-info-fd",
+        type=int,
+        default=None,
+        help="a pipe that brings --engine-info once the engine is ready (launch.py starts the "
+        "frontend beside the engine, which loads its model meanwhile)",
+    )
+    parser.add_argument(
         "--engine-pid",
         type=int,
         action="append",
@@ -93,6 +102,45 @@ def parse_engine_info(text: str | None) -> Ready | None:
         raise SystemExit(f"--engine-info: invalid engine info ({exc!r})") from exc
 
 
+async def read_engine_info(fd: int) -> str | None:
+    """All the pipe brings: launch.py writes the JSON and closes it, or closes it empty when
+    no engine became ready. Read by the event loop, so a SIGTERM meanwhile is heard."""
+    loop = asyncio.get_running_loop()
+    chunks: list[bytes] = []
+    closed = loop.create_future()
+
+    def on_readable() -> None:
+        chunk = os.read(fd, 65536)
+        if chunk:
+            chunks.append(chunk)
+        else:
+            loop.remove_reader(fd)
+            closed.set_result(None)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await closed
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    if not chunks:
+        logger.info("no engine info: the engine did not become ready")
+        return None
+    return b"".join(chunks).decode()
+
+
+async def unless_stopped(work: Coroutine[Any, Any, str | None], stop: asyncio.Event,
+                         ) -> str | None:
+    """`work`'s result, or None (and `work` cancelled) when `stop` is set first."""
+    working, stopping = asyncio.create_task(work), asyncio.create_task(stop.wait())
+    await asyncio.wait((working, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not working.done():
+        working.cancel()
+        return None
+    return working.result()
+
+
 def load_tokenizer(model_dir: str, chat_template: str | None = None) -> Any:
     """The tokenizer; `chat_template` (a file) replaces the model's own template."""
     # AutoTokenizer imports torch; a directory with tokenizer.json does not need it.
@@ -114,11 +162,17 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loading = asyncio.create_task(
+        asyncio.to_thread(load_tokenizer, args.model_dir, args.chat_template))
+    if args.engine_info_fd is not None:
+        args.engine_info = await unless_stopped(read_engine_info(args.engine_info_fd), stop)
+        if args.engine_info is None:  # stopped, or no engine became ready
+            return
     engine_info = parse_engine_info(args.engine_info)
     served_name = args.served_model_name or (engine_info.model_name if engine_info else None)
     if not served_name:
         raise SystemExit("--served-model-name is required without --engine-info")
-    tokenizer = await asyncio.to_thread(load_tokenizer, args.model_dir, args.chat_template)
+    tokenizer = await loading
     settings = FrontendSettings(
         served_name,
         engine_addresses(args),

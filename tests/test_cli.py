@@ -9,6 +9,7 @@ import launch
 from frontend import __main__ as frontend_main
 
 ENGINE_LINK_FLAGS = {"--requests-addr", "--outputs-addr", "--model-dir", "--engine-info",
+                     "--engine-info-fd",
                      "--engine-pid", "-h", "--help"}  # set by launch.py for each start
 
 
