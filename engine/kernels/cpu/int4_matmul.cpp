@@ -21,7 +21,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int kRowBlock = 4;      // rows sharing one pass over a channel's codes
+constexpr int kRowBlock = 8;      // rows sharing one pass over a channel's codes
 constexpr int64_t kChunk = 16;    // output channels per OpenMP task
 constexpr int64_t kPrefetchChannels = 4;
 
@@ -116,6 +116,18 @@ void rows_block(const float* x, int64_t rows, int64_t k, const uint8_t* q, const
   }
 }
 
+// 5 to 8 rows share one decode of a channel's codes (8 accumulators: registers allow one
+// channel at a time); the sums run in the order of the 1-4-row blocks.
+void many_rows_block(const float* x, int64_t rows, int64_t k, const uint8_t* q, const float* s,
+                     float* out) {
+  switch (rows) {
+    case 5: return block<1, 5>(x, k, q, s, out);
+    case 6: return block<1, 6>(x, k, q, s, out);
+    case 7: return block<1, 7>(x, k, q, s, out);
+    default: return block<1, 8>(x, k, q, s, out);
+  }
+}
+
 struct Problem {
   const float* x;
   int64_t rows;
@@ -134,8 +146,14 @@ void channels(const Problem& p, int64_t first, int count, int64_t row, int64_t c
   const uint8_t* q = p.q + first * p.k / 2;
   const float* s = p.s + first * groups;
   float out[2 * kRowBlock];
-  if (count == 2) rows_block<2>(x, count_rows, p.k, q, s, out);
-  else rows_block<1>(x, count_rows, p.k, q, s, out);
+  if (count_rows > 4) {
+    for (int c = 0; c < count; ++c)
+      many_rows_block(x, count_rows, p.k, q + c * p.k / 2, s + c * groups, out + c * count_rows);
+  } else if (count == 2) {
+    rows_block<2>(x, count_rows, p.k, q, s, out);
+  } else {
+    rows_block<1>(x, count_rows, p.k, q, s, out);
+  }
   for (int c = 0; c < count; ++c) {
     const float* offsets = p.o + (first + c) * groups;
     for (int64_t r = 0; r < count_rows; ++r) {
