@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,14 +76,34 @@ def test_engines_sharing_a_directory_read_each_others_whole_files(tmp_path: Path
     second.close()
 
 
+def exited_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
 def test_debris_of_an_unfinished_write_never_loads(tmp_path: Path) -> None:
     directory = tmp_path / "model-a"
     directory.mkdir()
     block_hash, payload = block(6)
-    (directory / f"{TEMPORARY}123-{block_hash.hex()}").write_bytes(payload[:100])
+    (directory / f"{TEMPORARY}{exited_pid()}-{block_hash.hex()}").write_bytes(payload[:100])
     store = DiskKVStore(tmp_path, "model-a", 1 << 20)
     assert block_hash not in store and store.get(block_hash) is None
     assert list(directory.iterdir()) == []
+    store.close()
+
+
+def test_a_store_starting_beside_a_live_writer_leaves_its_write_in_flight(tmp_path: Path,
+                                                                           ) -> None:
+    """Engines sharing a directory: one restarting must not delete the other's temporary
+    file mid-write (its rename would fail and drop the block)."""
+    directory = tmp_path / "model-a"
+    directory.mkdir()
+    block_hash, payload = block(7)
+    in_flight = directory / f"{TEMPORARY}{os.getppid()}-{block_hash.hex()}"
+    in_flight.write_bytes(payload[:100])
+    store = DiskKVStore(tmp_path, "model-a", 1 << 20)
+    assert in_flight.exists() and block_hash not in store
     store.close()
 
 

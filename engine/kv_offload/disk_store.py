@@ -122,12 +122,14 @@ class DiskKVStore:
         return self.directory / (block_hash.hex() + SUFFIX)
 
     def _scan(self) -> None:
-        """Index what an earlier run left, oldest first; temporary files are debris of a
-        write that never finished."""
+        """Index what an earlier run left, oldest first; the temporary files of a writer
+        that is gone are debris of a write that never finished (those of a live engine
+        sharing the directory are its writes in flight)."""
         entries = []
         for path in self.directory.iterdir():
             if path.name.startswith(TEMPORARY):
-                path.unlink(missing_ok=True)
+                if not _writer_alive(path.name):
+                    path.unlink(missing_ok=True)
             elif path.name.endswith(SUFFIX):
                 try:
                     stat = path.stat()
@@ -192,6 +194,18 @@ class DiskKVStore:
     def _remove(self, block_hash: bytes) -> None:
         self._forget(block_hash)
         self._path(block_hash).unlink(missing_ok=True)
+
+
+def _writer_alive(temporary_name: str) -> bool:
+    """Is the process that names this temporary file (`.tmp-<pid>-<hash>`) still running?"""
+    try:
+        pid = int(temporary_name[len(TEMPORARY):].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return pid != os.getpid()
 
 
 def _payload(data: bytes) -> bytes | None:
