@@ -116,6 +116,39 @@ def test_suffix_drafts_follow_frequent_continuations_and_learn_from_finished_req
     assert proposer.propose(decoding("e", [30], 1), 4) == [31]
 
 
+def test_a_sources_sure_draft_needs_a_long_match():
+    ngram = NgramProposer(2, 4)
+    echoed = decoding("r", [1, 5, 6, 7, 8, 9, 2, 5, 6, 7, 8], 4)  # "5 6 7 8" occurred: 9
+    assert ngram.sure_draft(echoed) == [9]
+    short = decoding("s", [1, 5, 6, 3, 2, 4, 5, 6], 4)  # only "5 6", two tokens long
+    assert ngram.propose(short, 1) == [3] and ngram.sure_draft(short) == []
+    suffix = SuffixProposer(max_depth=24, max_spec_factor=4.0, min_token_prob=0.1,
+                            max_cached_requests=0)
+    phrase = [11, 12, 13, 14, 15, 16]
+    long_context = decoding("a", [*phrase, 40, 1, *phrase, 40, 2, *phrase], 8)
+    assert suffix.sure_draft(long_context) == [40]  # a 6-token context, always then 40
+    split = decoding("b", [*phrase, 40, 1, *phrase, 41, 2, *phrase], 8)
+    assert suffix.sure_draft(split) == [40]  # half the time: still sure enough
+    three = decoding("c", [*phrase, 40, 1, *phrase, 41, 2, *phrase, 42, 3, *phrase], 8)
+    assert suffix.sure_draft(three) == []  # a third each
+    brief = decoding("d", [7, 8, 9, 1, 2, 7, 8, 9], 4)  # three tokens of context
+    assert suffix.propose(brief, 1) == [1] and suffix.sure_draft(brief) == []
+
+
+def test_a_probe_verifies_only_a_draft_its_source_is_sure_of():
+    """A request whose drafts do not pay is probed with one draft now and then, and only
+    where its source is sure of the next token."""
+    for tokens, probed in (([1, 5, 6, 7, 8, 9, 2, 5, 6, 7, 8], [9]),
+                           ([1, 5, 6, 3, 2, 4, 5, 6], [])):
+        config = SpeculativeConfig("ngram", prompt_lookup_min=2, prompt_lookup_max=4)
+        speculator = Speculator(config, max_model_len=1000)
+        for rows in range(1, 12):
+            speculator.observe_step(rows, 0.02 * rows)  # each row costs a whole step
+        request = decoding("r", tokens, 4)
+        speculator.propose([request], step=1)
+        assert request.draft_token_ids == probed
+
+
 def test_every_positions_context_hashes_at_once_equal_the_lookups_one_by_one():
     """The counts (numpy, all positions) and the lookups (one context) key alike; long
     sequences wrap the sums modulo 2^64 many times over."""

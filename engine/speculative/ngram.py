@@ -44,11 +44,23 @@ class NgramProposer:
         self.indexes: dict[str, NgramIndex] = {}
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
+        return self._index(request).continuation(request.token_ids, max_drafts)
+
+    def sure_draft(self, request: Request) -> list[int]:
+        """The token after the latest earlier occurrence of the request's last
+        `prompt_lookup_max` tokens (the longest match allowed), or none."""
+        tokens, size = request.token_ids, self.sizes[-1]
+        index = self._index(request)
+        index.catch_up(tokens)
+        end = index.latest_end.get(tuple(tokens[-size:])) if len(tokens) >= size else None
+        return [] if end is None else tokens[end:end + 1]
+
+    def _index(self, request: Request) -> NgramIndex:
+        # An index lives as long as its request: the tokens it read never change.
         index = self.indexes.get(request.request_id)
         if index is None:
             index = self.indexes[request.request_id] = NgramIndex(self.sizes)
-        # An index lives as long as its request: the tokens it read never change.
-        return index.continuation(request.token_ids, max_drafts)
+        return index
 
     def finished(self, request: Request) -> None:
         self.indexes.pop(request.request_id, None)

@@ -9,7 +9,9 @@ those that maximize the sum over the decoding requests of log(expected tokens / 
 that promises at least a 1% mean gain. So k shrinks as q falls, as the batch grows, and
 where one more row costs a jump in step time. Only then is the source asked for that many.
 A request none of whose drafts pay stops drafting, and tries one draft again after a
-pause that doubles each time it still does not pay."""
+pause that doubles each time it still does not pay, and then only one its source is sure of
+(`sure_draft`, where the source has one): at a busy server most such probes were rows that
+saved no step."""
 
 from __future__ import annotations
 
@@ -39,6 +41,13 @@ class DraftSource(Protocol):
         ...
 
     def finished(self, request: Request) -> None: ...
+
+
+def sure_draft(source: DraftSource, request: Request) -> list[int]:
+    """One draft for a probe: the source's `sure_draft` (empty where it is not sure of the
+    next token), else its first draft."""
+    sure = getattr(source, "sure_draft", None)
+    return sure(request) if sure is not None else source.propose(request, 1)
 
 
 PLACEHOLDER = -1  # a draft slot reserved before a draft model fills it
@@ -137,19 +146,22 @@ class Speculator:
                        self.max_model_len - request.num_tokens, self.config.max_drafts + 1) - 1
             if room > 0:
                 rooms[request.request_id] = (request, room)
-        taken = self._worth_taking(len(decoding), rooms, step)
+        taken, probes = self._worth_taking(len(decoding), rooms, step)
         for request_id, count in taken.items():
             request = rooms[request_id][0]
-            if count:
+            if request_id in probes:
+                request.draft_token_ids = self._checked(request, sure_draft(self.source, request))
+            elif count:
                 request.draft_token_ids = self._checked(
                     request, self.source.propose(request, count))
 
     def _worth_taking(self, num_decoding: int, rooms: dict[str, tuple[Request, int]],
-                      step: int) -> dict[str, int]:
+                      step: int) -> tuple[dict[str, int], set[str]]:
         """How many drafts each request (up to its room) verifies: the best first, as many
-        as maximize the sum over the decoding requests of log(expected tokens per second)."""
+        as maximize the sum over the decoding requests of log(expected tokens per second);
+        and the requests due a probe (one draft, though none pays)."""
         if not rooms:
-            return {}
+            return {}, set()
         candidates = []
         for request_id, (_, room) in rooms.items():
             acceptance = self.acceptance.setdefault(request_id, Acceptance())
@@ -169,13 +181,14 @@ class Speculator:
         taken: dict[str, int] = dict.fromkeys(rooms, 0)
         for _, request_id in candidates[:best_count]:
             taken[request_id] += 1
+        probes = set()
         for request_id, count in taken.items():
             acceptance = self.acceptance[request_id]
             if count:
                 acceptance.pause = FIRST_PAUSE
             elif acceptance.probe_due(step):
-                taken[request_id] = 1
-        return taken
+                probes.add(request_id)
+        return taken, probes
 
     def fill(self, chunks: list[ScheduledChunk]) -> None:
         """After scheduling: a draft model runs over the step's chunks and writes the drafts

@@ -21,6 +21,11 @@ import numpy as np
 
 from engine.request import Request
 
+# A probe's draft (engine.speculative.speculator): the context matched at least this long,
+# and the token followed it at least this share of the time.
+SURE_CONTEXT = 6
+SURE_SHARE = 0.5
+
 _MASK = (1 << 64) - 1
 _BASE = 1_000_003
 _INVERSE = pow(_BASE, -1, 1 << 64)
@@ -135,10 +140,7 @@ class SuffixProposer:
         self.shared_outputs: deque[list[int]] = deque()
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
-        own = self.running.get(request.request_id)
-        if own is None:
-            own = self.running[request.request_id] = RequestCounts(FollowCounts(self.max_depth))
-        own.catch_up(request.token_ids)
+        own = self._own_counts(request)
         tokens = request.token_ids[-self.max_depth:]
         drafts: list[int] = []
         probability = 1.0
@@ -156,6 +158,23 @@ class SuffixProposer:
             drafts.append(token)
             tokens = [*tokens, token][-self.max_depth:]
         return drafts
+
+    def sure_draft(self, request: Request) -> list[int]:
+        """The likeliest next token where a context of at least SURE_CONTEXT tokens was
+        followed by it at least SURE_SHARE of the time, else none."""
+        own = self._own_counts(request)
+        order, follow = self._longest_context(own.follows, request.token_ids[-self.max_depth:])
+        if order < SURE_CONTEXT or not follow:
+            return []
+        token, count = max(follow.items(), key=lambda item: item[1])
+        return [token] if count >= SURE_SHARE * sum(follow.values()) else []
+
+    def _own_counts(self, request: Request) -> RequestCounts:
+        own = self.running.get(request.request_id)
+        if own is None:
+            own = self.running[request.request_id] = RequestCounts(FollowCounts(self.max_depth))
+        own.catch_up(request.token_ids)
+        return own
 
     def _longest_context(self, own: FollowCounts, tokens: list[int],
                          ) -> tuple[int, dict[int, int]]:
