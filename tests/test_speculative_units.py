@@ -135,18 +135,21 @@ def test_a_sources_sure_draft_needs_a_long_match():
     assert suffix.propose(brief, 1) == [1] and suffix.sure_draft(brief) == []
 
 
-def test_a_probe_verifies_only_a_draft_its_source_is_sure_of():
-    """A request whose drafts do not pay is probed with one draft now and then, and only
-    where its source is sure of the next token."""
-    for tokens, probed in (([1, 5, 6, 7, 8, 9, 2, 5, 6, 7, 8], [9]),
-                           ([1, 5, 6, 3, 2, 4, 5, 6], [])):
-        config = SpeculativeConfig("ngram", prompt_lookup_min=2, prompt_lookup_max=4)
-        speculator = Speculator(config, max_model_len=1000)
-        for rows in range(1, 12):
-            speculator.observe_step(rows, 0.02 * rows)  # each row costs a whole step
-        request = decoding("r", tokens, 4)
-        speculator.propose([request], step=1)
-        assert request.draft_token_ids == probed
+def test_beside_others_a_probe_verifies_only_a_draft_its_source_is_sure_of():
+    """A request whose drafts do not pay is probed with one draft now and then: alone, any
+    draft its source has; beside other decoding requests (whose steps its row slows too),
+    only one its source is sure of."""
+    for tokens, beside_others, alone in (([1, 5, 6, 7, 8, 9, 2, 5, 6, 7, 8], [9], [9]),
+                                         ([1, 5, 6, 3, 2, 4, 5, 6], [], [3])):
+        for others, probed in ((1, beside_others), (0, alone)):
+            config = SpeculativeConfig("ngram", prompt_lookup_min=2, prompt_lookup_max=4)
+            speculator = Speculator(config, max_model_len=1000)
+            for rows in range(1, 12):
+                speculator.observe_step(rows, 0.02 * rows)  # each row costs a whole step
+            request = decoding("r", tokens, 4)
+            running = [request, *(decoding(f"o{i}", [90, 91], 1) for i in range(others))]
+            speculator.propose(running, step=1)
+            assert request.draft_token_ids == probed, (tokens, others)
 
 
 def test_every_positions_context_hashes_at_once_equal_the_lookups_one_by_one():

@@ -9,9 +9,10 @@ those that maximize the sum over the decoding requests of log(expected tokens / 
 that promises at least a 1% mean gain. So k shrinks as q falls, as the batch grows, and
 where one more row costs a jump in step time. Only then is the source asked for that many.
 A request none of whose drafts pay stops drafting, and tries one draft again after a
-pause that doubles each time it still does not pay, and then only one its source is sure of
-(`sure_draft`, where the source has one): at a busy server most such probes were rows that
-saved no step."""
+pause that doubles each time it still does not pay; beside other decoding requests, only one
+its source is sure of (`sure_draft`, where the source has one): at a busy server most such
+probes were rows that slowed every request and saved no step, while one stream alone
+resumes drafting sooner on any match (after an edit in a quoted text, say)."""
 
 from __future__ import annotations
 
@@ -147,10 +148,13 @@ class Speculator:
             if room > 0:
                 rooms[request.request_id] = (request, room)
         taken, probes = self._worth_taking(len(decoding), rooms, step)
+        alone = len(decoding) == 1  # a probe's row then slows only its own request
         for request_id, count in taken.items():
             request = rooms[request_id][0]
             if request_id in probes:
-                request.draft_token_ids = self._checked(request, sure_draft(self.source, request))
+                drafts = (self.source.propose(request, 1) if alone
+                          else sure_draft(self.source, request))
+                request.draft_token_ids = self._checked(request, drafts)
             elif count:
                 request.draft_token_ids = self._checked(
                     request, self.source.propose(request, count))
