@@ -68,7 +68,6 @@ def main() -> int:
             with os.fdopen(args.ready_fd, "wb") as ready_pipe:
                 ready_pipe.write(encode(core.ready_message))
         logging.getLogger("loom.engine").info("ready: %s", core.ready_message)
-        core.grammars.preload()
         stop.server = server
         server.serve_forever()
     finally:  # SIGTERM may come at any point: tensor-parallel ranks are told to stop

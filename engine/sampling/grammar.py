@@ -5,8 +5,11 @@ bitmask per constrained row of a step: the tokens every one of its grammars allo
 - `GrammarCompiler` builds llguidance matchers on one worker thread (llguidance drops the
   GIL while it builds), so a slow grammar never stalls other requests' steps. Each distinct
   grammar is built once; a request gets a copy of the built matcher. The tokenizer comes
-  from the model directory, loaded once on the worker (by `preload` right after READY, or
-  by the first build).
+  from the model directory, loaded once, by the first build (as vLLM starts its grammar
+  backend on the first structured request): a server that never constrains its output never
+  pays the ~2 s (importing transformers and llguidance's tokenizer view), and no first
+  request after the start shares the GIL with that import (loaded right after READY, it
+  slowed such a request's decode ~10x).
 - While a build runs on a CPU engine, steps use one torch thread fewer, leaving the worker
   a core: with every core busy in a step, OpenMP waits on whichever thread the build
   preempts, and steps slow down far more than with the core left to it (bench.structured;
@@ -66,10 +69,6 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_built = 0
         self.num_building = 0  # builds running on the worker now (read by the step loop)
-
-    def preload(self) -> None:
-        """Loads the tokenizer on the worker, ahead of the first grammar."""
-        self._executor.submit(self.tokenizer)
 
     def submit(self, grammar: str) -> GrammarBuild:
         """The (pending or finished) build of `grammar`; equal grammars share one build."""
