@@ -26,10 +26,12 @@ class NgramIndex:
                 self.latest_end[tuple(tokens[end - size:end])] = end
         self.num_indexed = len(tokens)
 
-    def continuation(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """What followed the longest earlier occurrence of the tokens' suffix."""
+    def continuation(self, tokens: list[int], max_tokens: int, sizes: range | None = None,
+                     ) -> list[int]:
+        """What followed the longest earlier occurrence of the tokens' suffix (of one of
+        `sizes`, default all the index keeps)."""
         self.catch_up(tokens)
-        for size in reversed(self.sizes):
+        for size in reversed(self.sizes if sizes is None else sizes):
             if size > len(tokens):
                 continue
             end = self.latest_end.get(tuple(tokens[-size:]))
@@ -49,11 +51,7 @@ class NgramProposer:
     def sure_draft(self, request: Request) -> list[int]:
         """The token after the latest earlier occurrence of the request's last
         `prompt_lookup_max` tokens (the longest match allowed), or none."""
-        tokens, size = request.token_ids, self.sizes[-1]
-        index = self._index(request)
-        index.catch_up(tokens)
-        end = index.latest_end.get(tuple(tokens[-size:])) if len(tokens) >= size else None
-        return [] if end is None else tokens[end:end + 1]
+        return self._index(request).continuation(request.token_ids, 1, self.sizes[-1:])
 
     def _index(self, request: Request) -> NgramIndex:
         # An index lives as long as its request: the tokens it read never change.

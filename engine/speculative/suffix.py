@@ -128,6 +128,12 @@ class RequestCounts:
         self.num_counted = len(tokens)
 
 
+def likeliest(follow: dict[int, int]) -> tuple[int, float]:
+    """The token that followed a context most often, and its share of the continuations."""
+    token, count = max(follow.items(), key=lambda item: item[1])
+    return token, count / sum(follow.values())
+
+
 class SuffixProposer:
     def __init__(self, max_depth: int, max_spec_factor: float, min_token_prob: float,
                  max_cached_requests: int) -> None:
@@ -149,8 +155,8 @@ class SuffixProposer:
             order, follow = self._longest_context(own.follows, tokens)
             if not follow:
                 break
-            token, count = max(follow.items(), key=lambda item: item[1])
-            probability *= count / sum(follow.values())
+            token, share = likeliest(follow)
+            probability *= share
             if probability < self.min_token_prob:
                 break
             if not drafts:
@@ -166,8 +172,8 @@ class SuffixProposer:
         order, follow = self._longest_context(own.follows, request.token_ids[-self.max_depth:])
         if order < SURE_CONTEXT or not follow:
             return []
-        token, count = max(follow.items(), key=lambda item: item[1])
-        return [token] if count >= SURE_SHARE * sum(follow.values()) else []
+        token, share = likeliest(follow)
+        return [token] if share >= SURE_SHARE else []
 
     def _own_counts(self, request: Request) -> RequestCounts:
         own = self.running.get(request.request_id)
