@@ -105,28 +105,17 @@ def parse_engine_info(text: str | None) -> Ready | None:
 async def read_engine_info(fd: int) -> str | None:
     """All the pipe brings: launch.py writes the JSON and closes it, or closes it empty when
     no engine became ready. Read by the event loop, so a SIGTERM meanwhile is heard."""
-    loop = asyncio.get_running_loop()
-    chunks: list[bytes] = []
-    closed = loop.create_future()
-
-    def on_readable() -> None:
-        chunk = os.read(fd, 65536)
-        if chunk:
-            chunks.append(chunk)
-        else:
-            loop.remove_reader(fd)
-            closed.set_result(None)
-
-    loop.add_reader(fd, on_readable)
+    reader = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb"))
     try:
-        await closed
+        text = (await reader.read()).decode()
     finally:
-        loop.remove_reader(fd)
-        os.close(fd)
-    if not chunks:
+        transport.close()
+    if not text:
         logger.info("no engine info: the engine did not become ready")
         return None
-    return b"".join(chunks).decode()
+    return text
 
 
 async def unless_stopped(work: Coroutine[Any, Any, str | None], stop: asyncio.Event,
