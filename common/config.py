@@ -16,6 +16,7 @@ DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
 # config is built by hand.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's; fp8 = fp8_e4m3
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: from the machine (engine.platform.machine)
     num_kv_blocks: int | None = None  # overrides the count derived from kv_cache_memory
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; 8-bit: engine.attention.quantized_kv
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS  # None: the machine's
     max_model_len: int | None = None  # None: the model's own limit
@@ -72,6 +74,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.quantization_group_size < 1:
             raise ValueError("quantization_group_size must be positive")
         if self.kv_offload_bytes < 0:
@@ -122,6 +127,7 @@ class EngineConfig:
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             num_kv_blocks=args.num_kv_blocks,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
@@ -172,6 +178,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "available memory, 1-64 GiB; on CUDA 80%% of free memory)")
     engine.add_argument("--num-kv-blocks", type=int, default=None,
                         help="exact number of KV blocks (overrides --kv-cache-memory)")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="auto: the model's dtype; int8 / fp8 (e4m3) / fp8_e5m2: 8-bit "
+                             "codes and a scale per token and head, ~2x the tokens in the same "
+                             "memory (int8 read by the C++ kernel on CPUs; fp8 through torch "
+                             "ops)")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per step, decodes and prefill chunks together (default: "

@@ -24,6 +24,7 @@ from common.protocol import (
     StepStats,
 )
 from common.sockets import free_port
+from engine.attention.quantized_kv import cache_dtype, describe
 from engine.block_manager import BlockManager
 from engine.distributed.tensor_parallel import (
     WorkerRanks,
@@ -77,6 +78,7 @@ class EngineCore:
         self.machine = Machine.detect()
         self.config = config = take_machine_defaults(config, self.machine, self.device)
         self.dtype = choose_dtype(config.dtype, self.device)
+        self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         torch.manual_seed(config.seed)
         self.workers = self._start_tensor_parallel(log_level)
         self.model = load_model(config.model, self.dtype, self.device,
@@ -92,7 +94,8 @@ class EngineCore:
         self.kv_layout = KVCacheLayout.for_model(model_config,
                                                  not config.disable_hybrid_kv_cache_manager)
         if recorder == "auto":
-            recorder = default_recorder(self.device, self.config, self.model.config.head_dim)
+            recorder = default_recorder(self.device, self.config, self.model.config.head_dim,
+                                        self.cache_dtype)
         self.recorder = recorder
         self.draft_model = DraftModel.for_config(config, self.kv_layout, model_config.vocab_size,
                                                  self.dtype, self.device)
@@ -120,9 +123,11 @@ class EngineCore:
         self.totals = EngineTotals()
         self.record_traces = record_traces
         self.traces: list[StepTrace] = []
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s; %s) = %d tokens at most "
-                    "in flight in global layers; max model len %d", num_blocks,
-                    config.block_size, num_blocks * self._bytes_per_block / 1024**3, self.dtype,
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d blocks per GiB, %s; %s) = "
+                    "%d tokens at most in flight in global layers; max model len %d",
+                    num_blocks, config.block_size, num_blocks * self._bytes_per_block / 2**30,
+                    2**30 // self._bytes_per_block,
+                    describe(self.cache_dtype, model_config.head_dim, self.dtype),
                     self.kv_layout.describe(), self._max_tokens_in_flight(num_blocks),
                     self.max_model_len)
 
@@ -134,7 +139,7 @@ class EngineCore:
             self.config.block_size)
         return draft + kv_bytes_per_block(self.kv_layout.group_size,
                                           self.model.num_local_kv_heads, model_config.head_dim,
-                                          self.config.block_size, self.dtype)
+                                          self.config.block_size, self.cache_dtype)
 
     def _max_tokens_in_flight(self, num_blocks: int) -> int:
         """Tokens the cache holds when it holds long requests only: blocks shared among the
@@ -172,7 +177,8 @@ class EngineCore:
                            max_model_len=self.max_model_len,
                            max_num_seqs=self.config.max_num_seqs,
                            tensor_parallel=self.workers is not None, layout=self.kv_layout,
-                           batch_invariant=self.config.batch_invariant)
+                           batch_invariant=self.config.batch_invariant,
+                           cache_dtype=self.cache_dtype)
 
     def _graph_memory(self) -> int:
         """Bytes the decode graphs keep on the GPU: measured by recording them once over a

@@ -40,10 +40,12 @@ class CpuBackend(TorchBackend):
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> bool:
-        """fp32 or bf16 on the CPU, query groups and head size the kernel's registers hold,
-        and a kernel that builds here."""
+                 head_dim: int, cache_dtype: torch.dtype | None = None) -> bool:
+        """fp32 or bf16 on the CPU, caches of that dtype or int8 codes, query groups and head
+        size the kernel's registers hold, and a kernel that builds here."""
+        cache_dtype = cache_dtype or dtype
         return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and cache_dtype in (dtype, torch.int8)
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= CPP_MAX_GROUP
                 and head_dim <= CPP_MAX_DIM and load_cpp_decode() is not None)
 
@@ -51,7 +53,8 @@ class CpuBackend(TorchBackend):
                    v_cache: torch.Tensor, rows: torch.Tensor, max_row: int | None) -> None:
         """One C++ call for both caches, reading k and v in place (on a fused qkv row they
         are strided slices that `reshape` would copy)."""
-        if not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        if not (k.dtype == v.dtype and k_cache.dtype == v_cache.dtype
+                and k_cache.dtype in (k.dtype, torch.int8)):
             super().write_rows(k, v, k_cache, v_cache, rows, max_row)
             return
         if not rows_of_contiguous_heads(k):

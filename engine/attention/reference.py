@@ -5,15 +5,24 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata, cache_rows
+from engine.attention.quantized_kv import dequantize_rows, is_quantized, rotate
+from engine.attention.torch_backend import write_cache_rows
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v [T, num_kv_heads, head_dim] into their slots, one indexed copy per cache."""
+    """k, v [T, num_kv_heads, head_dim] into their slots, one indexed copy per cache (an
+    8-bit cache's rows rotated, as attention writes them)."""
     rows = cache_rows(slot_mapping, k_cache.shape[2], k_cache.shape[1])
-    head_dim = k_cache.shape[-1]
-    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
-    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+    if is_quantized(k_cache.dtype):
+        k, v = rotate(k), rotate(v)
+    write_cache_rows(k, k_cache, rows)
+    write_cache_rows(v, v_cache, rows)
+
+
+def cache_values(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values a cache holds, [num_blocks, H, block_size, head_dim] in `dtype`."""
+    return dequantize_rows(cache, dtype) if is_quantized(cache.dtype) else cache.to(dtype)
 
 
 def reference_attention(
@@ -23,7 +32,12 @@ def reference_attention(
 ) -> torch.Tensor:
     """Straightforward per-request attention over the paged cache: slow, obviously right.
     With a `window`, query i sees key j when i - j < window (transformers' sliding window);
-    with a `softcap`, scaled scores s become softcap * tanh(s / softcap)."""
+    with a `softcap`, scaled scores s become softcap * tanh(s / softcap). An 8-bit cache
+    holds rotated rows: the query and the output are rotated too."""
+    if is_quantized(k_cache.dtype):
+        return rotate(reference_attention(rotate(q), cache_values(k_cache, q.dtype),
+                                          cache_values(v_cache, q.dtype), metadata, scale,
+                                          window, softcap))
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)

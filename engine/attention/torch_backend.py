@@ -27,6 +27,13 @@ from engine.attention.metadata import (
     expand_for_heads,
     plan_step,
 )
+from engine.attention.quantized_kv import (
+    dequantize_rows,
+    is_quantized,
+    quantize_rows,
+    rotate,
+    round_trip,
+)
 from engine.platform.cpu import native_bf16_matmul
 
 DecodeKernel = Literal["matmul", "sdpa"]
@@ -58,15 +65,25 @@ class TorchBackend(AttentionBackend):
 
     def write_rows(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, rows: torch.Tensor, max_row: int | None) -> None:
-        """One indexed copy per cache, to `rows` of the caches viewed as [-1, head_dim]."""
-        head_dim = k_cache.shape[-1]
-        k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
-        v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+        """One indexed copy per cache, to `rows` of the caches viewed as [-1, row width]
+        (8-bit caches: the rows' codes and scales, engine.attention.quantized_kv)."""
+        write_cache_rows(k, k_cache, rows)
+        write_cache_rows(v, v_cache, rows)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None,
+    ) -> torch.Tensor:
+        if is_quantized(k_cache.dtype):  # its rows are rotated (engine.attention.quantized_kv)
+            return rotate(self.attend(rotate(q), rotate(k), rotate(v), k_cache, v_cache,
+                                      metadata, scale, window, softcap))
+        return self.attend(q, k, v, k_cache, v_cache, metadata, scale, window, softcap)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+        window: int | None, softcap: float | None,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[1]
         plan, head_plan = metadata.planned(num_kv_heads)
@@ -74,7 +91,7 @@ class TorchBackend(AttentionBackend):
         keys = values = None
         if head_plan.gather_rows.numel():
             keys, values = gather_context(k_cache, v_cache, head_plan.gather_rows,
-                                          metadata.workspace)
+                                          metadata.workspace, q.dtype)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.uses_kernel:
             self.attend_kernel_rows(q, k_cache, v_cache, metadata, scale, out, window, softcap)
@@ -88,8 +105,9 @@ class TorchBackend(AttentionBackend):
             if chunk.has_cached_prefix:
                 prefill_on_cache(q, out, chunk, keys, values, next(cached_starts), num_kv_heads,
                                  scale, window, softcap)
-            else:
-                prefill_fresh(q, k, v, out, chunk, scale, window, softcap)
+            else:  # the chunk's own K/V as the cache holds them
+                prefill_fresh(q, round_trip(k, k_cache.dtype), round_trip(v, v_cache.dtype),
+                              out, chunk, scale, window, softcap)
         return out
 
     def attend_kernel_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -118,10 +136,25 @@ def decode_kernel_for(device: torch.device, dtype: torch.dtype) -> DecodeKernel:
     return "matmul" if native else "sdpa"
 
 
+def write_cache_rows(x: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor) -> None:
+    """x [T, H, D] into `rows` of the cache viewed as [-1, its row width]."""
+    values = x.reshape(-1, x.shape[-1])
+    width = cache.shape[-1]
+    if is_quantized(cache.dtype):
+        values = quantize_rows(values, cache.dtype)
+        cache, values = cache.view(torch.int8), values.view(torch.int8)
+    cache.view(-1, width).index_copy_(0, rows, values.to(cache.dtype))
+
+
 def gather_context(
     k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, workspace: Workspace,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One index_select per cache into reused buffers: [R, block_size, head_dim] each."""
+    """One index_select per cache into reused buffers: [R, block_size, head_dim] each (an
+    8-bit cache's rows dequantized to `dtype`)."""
+    codes = k_cache.dtype
+    if is_quantized(codes):  # selected as bytes (index_select takes no fp8)
+        k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)
     row_shape = k_cache.shape[2:]
     numel = rows.numel() * row_shape.numel()
     keys = workspace.get("k", numel, k_cache.dtype, k_cache.device).view(-1, *row_shape)
@@ -129,6 +162,10 @@ def gather_context(
     if numel:
         torch.index_select(k_cache.view(-1, *row_shape), 0, rows, out=keys)
         torch.index_select(v_cache.view(-1, *row_shape), 0, rows, out=values)
+    if is_quantized(codes):
+        assert dtype is not None
+        return (dequantize_rows(keys.view(codes), dtype),
+                dequantize_rows(values.view(codes), dtype))
     return keys, values
 
 

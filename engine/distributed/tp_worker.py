@@ -31,6 +31,7 @@ def main() -> int:
 
     import torch.distributed as dist
 
+    from engine.attention.quantized_kv import cache_dtype
     from engine.core import choose_device
     from engine.distributed.tensor_parallel import (
         broadcast_int,
@@ -54,7 +55,8 @@ def main() -> int:
                        group_size=config.quantization_group_size)
     num_blocks = broadcast_int()
     layout = KVCacheLayout.for_model(model.config, not config.disable_hybrid_kv_cache_manager)
-    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, layout=layout)
+    runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, layout=layout,
+                         cache_dtype=cache_dtype(config.kv_cache_dtype, dtype))
     logger.info("ready: %d of %d KV heads, %d KV blocks", model.num_local_kv_heads,
                 model.config.num_key_value_heads, num_blocks)
     while (packed := receive_step()) is not None:

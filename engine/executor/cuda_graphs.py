@@ -33,6 +33,7 @@ import torch
 from common.config import EngineConfig
 from engine.attention.forward_context import forward_context
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.quantized_kv import is_quantized
 from engine.attention.triton_backend import TritonBackend, triton_supports
 from engine.attention.triton_kernels import QueryRows
 from engine.kv_cache_groups import blocks_for
@@ -252,10 +253,14 @@ class DecodeGraphs:
         return recorded.output[:len(token_ids)]
 
 
-def default_recorder(device: torch.device, config: EngineConfig,
-                     head_dim: int) -> Recorder | None:
-    """CUDA graphs where the GPU path's attention (Triton) serves the model's shapes."""
+def default_recorder(device: torch.device, config: EngineConfig, head_dim: int,
+                     cache_dtype: torch.dtype | None = None) -> Recorder | None:
+    """CUDA graphs where the GPU path's attention (Triton) serves the model's shapes and
+    its KV cache (not an 8-bit one)."""
     if device.type != "cuda" or config.enforce_eager:
+        return None
+    if cache_dtype is not None and is_quantized(cache_dtype):
+        logger.warning("no CUDA graphs with an 8-bit KV cache: its attention runs torch ops")
         return None
     if config.tensor_parallel_size > 1:
         logger.warning("no CUDA graphs with tensor parallelism yet: decode steps run eager")

@@ -46,12 +46,14 @@ class KernelChoice:
 
     @classmethod
     def choose(cls, model: nn.Module, device: torch.device, dtype: torch.dtype,
-               block_size: int, compiled: bool, batch_invariant: bool = False) -> KernelChoice:
+               block_size: int, compiled: bool, batch_invariant: bool = False,
+               cache_dtype: torch.dtype | None = None) -> KernelChoice:
         """`batch_invariant`: the kernels that give a row the same bits whatever shares its
-        step (engine.layers.batch_invariant); a ValueError where that cannot be."""
+        step (engine.layers.batch_invariant); a ValueError where that cannot be.
+        `cache_dtype`: the KV cache's (default: `dtype`)."""
         backend = select_attention_backend(device, dtype, model.num_local_heads,
                                            model.num_local_kv_heads, model.config.head_dim,
-                                           block_size, batch_invariant)
+                                           block_size, batch_invariant, cache_dtype)
         cpp = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                and not compiled and kernel_enabled("LOOM_CPP_ELEMENTWISE")
                and load_elementwise() is not None)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.forward_context import forward_context
+from engine.attention.quantized_kv import row_width
 from engine.attention.workspace import Workspace
 from engine.distributed.tensor_parallel import broadcast_step
 from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
@@ -24,8 +25,9 @@ from engine.scheduler import ScheduledChunk
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype: torch.dtype) -> int:
+    """`dtype`: the cache's (8-bit codes: their rows carry a scale each)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * num_kv_heads * head_dim * block_size * element_size
+    return 2 * num_layers * num_kv_heads * row_width(head_dim, dtype) * block_size * element_size
 
 
 def slots_of(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -133,15 +135,18 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, compiled: bool = False,
                  recorder: Recorder | None = None, max_model_len: int = 0,
                  max_num_seqs: int = 0, tensor_parallel: bool = False,
-                 layout: KVCacheLayout | None = None, batch_invariant: bool = False) -> None:
+                 layout: KVCacheLayout | None = None, batch_invariant: bool = False,
+                 cache_dtype: torch.dtype | None = None) -> None:
         """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
         others before running it (engine.distributed.tensor_parallel). `layout`: the layers'
-        KV cache groups (default: one). `batch_invariant`: see KernelChoice."""
+        KV cache groups (default: one). `batch_invariant`: see KernelChoice. `cache_dtype`:
+        the KV cache's (default: `dtype`; 8-bit: engine.attention.quantized_kv)."""
         self.model = model
         self.layout = layout or KVCacheLayout.single(model.num_layers)
         assign_kv_groups(model, self.layout)
+        cache_dtype = cache_dtype or dtype
         self.kernels = KernelChoice.choose(model, device, dtype, block_size, compiled,
-                                           batch_invariant)
+                                           batch_invariant, cache_dtype)
         self.kernels.bind(model)
         if not compiled:  # inductor traces the modules as nn.Module keeps them
             pin_attributes(model)
@@ -150,10 +155,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.workspace = Workspace()  # the step's logits: valid until the next step runs
-        shape = model.kv_cache_shape(num_blocks + 1, block_size)
+        *shape, head_dim = model.kv_cache_shape(num_blocks + 1, block_size)
+        shape = (*shape, row_width(head_dim, cache_dtype))
         # Zeroed, not empty: padded tails of blocks are read (and masked) by attention.
-        storage = [(zeros_on_huge_pages(shape, dtype, device),
-                    zeros_on_huge_pages(shape, dtype, device))
+        storage = [(zeros_on_huge_pages(shape, cache_dtype, device),
+                    zeros_on_huge_pages(shape, cache_dtype, device))
                    for _ in range(self.layout.group_size)]
         # The pool hands out low block ids first: their pages are touched now, not mid-step.
         caches = list(itertools.chain.from_iterable(storage))

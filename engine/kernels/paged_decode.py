@@ -3,8 +3,10 @@ query token per request attends over its blocks in place (no gather), or a run o
 request's rows at consecutive positions (a decode and its drafts) over its blocks read once,
 with an fp32 softmax (bf16 caches on a CPU with AMX: scores and weighted values as tile
 products; `LOOM_CPU_AMX=0` keeps them in vector registers); and the step's KV write, one call
-copying each new token's heads into their cache rows. Built once by `engine.kernels.build`
-and loaded through ctypes; when it cannot be built, attention falls back to its torch path.
+copying each new token's heads into their cache rows. Int8 caches
+(engine.attention.quantized_kv) are read as codes and scales, and written quantized, by the
+same calls. Built once by `engine.kernels.build` and loaded through ctypes; when it cannot be
+built, attention falls back to its torch path.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def run_paged_decode(
     scaled scores soft-capped at `softcap` where given."""
     kernel = load_cpp_decode()
     assert kernel is not None
-    if not q.dtype == k_cache.dtype == v_cache.dtype:  # one dtype flag for all three
+    codes = k_cache.dtype == v_cache.dtype == torch.int8
+    if not (codes or q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"paged decode of {q.dtype} queries over {k_cache.dtype} caches")
     if batch.max_block >= k_cache.shape[0]:  # the kernel reads blocks without bounds checks
         raise IndexError(f"block {batch.max_block} is outside a cache of {k_cache.shape[0]}")
@@ -40,7 +43,7 @@ def run_paged_decode(
     tables = batch.block_tables
     runs = None if batch.runs is None else batch.runs.data_ptr()
     status = kernel(
-        int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+        int(q.dtype == torch.bfloat16), int(codes), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
         batch.row_index.data_ptr(), batch.size, runs, batch.num_runs, q.shape[1],
         k_cache.shape[1], k_cache.shape[2], q.shape[2], scale, window or 0, softcap or 0.0,
@@ -63,6 +66,13 @@ def run_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     if max_row >= k_cache.numel() // k_cache.shape[-1]:
         raise IndexError(f"KV cache row {max_row} is outside a cache of "
                          f"{k_cache.numel() // k_cache.shape[-1]}")
+    if k_cache.dtype == torch.int8:
+        library.loom_write_kv_codes(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(),
+                                    v.stride(0) * v.element_size(),
+                                    int(k.dtype == torch.bfloat16), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), rows.data_ptr(), k.shape[0], k.shape[1],
+                                    k.shape[2])
+        return
     library.loom_write_kv(k.data_ptr(), k.stride(0) * k.element_size(), v.data_ptr(),
                           v.stride(0) * v.element_size(), k_cache.data_ptr(), v_cache.data_ptr(),
                           rows.data_ptr(), k.shape[0], k.shape[1],
@@ -74,7 +84,8 @@ def load_cpp_library() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernels; None, logged, when that fails."""
     return load_library("paged_decode", "the torch path", {
         "loom_write_kv": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, I64], None),
-        "loom_paged_decode": ([INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, I64, I64,
+        "loom_write_kv_codes": ([PTR, I64, PTR, I64, INT, PTR, PTR, PTR, I64, I64, I64], None),
+        "loom_paged_decode": ([INT, INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, I64, I64,
                                I64, I64, I64, FLOAT, I64, FLOAT, INT, PTR, INT], ctypes.c_int),
     })
 

@@ -25,11 +25,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def tier_key(model: str, dtype: torch.dtype, block_size: int, caches: list[KVCache]) -> str:
-    """Names what a payload means: the model, the dtype, and the caches' shapes."""
+    """Names what a payload means: the model, the dtype, the caches' shapes and (an 8-bit
+    cache's) their codes."""
     name = Path(model.rstrip("/")).name or "model"
     shapes = [tuple(cache.shape[1:]) for layer in caches for cache in layer]
-    digest = hashlib.blake2b(repr((str(Path(model).resolve()), str(dtype), block_size,
-                                   shapes)).encode(), digest_size=8).hexdigest()
+    codes = caches[0][0].dtype
+    meaning = (str(Path(model).resolve()), str(dtype), block_size, shapes)
+    if codes != dtype:
+        meaning += (str(codes),)
+    digest = hashlib.blake2b(repr(meaning).encode(), digest_size=8).hexdigest()
     return f"{name}-{str(dtype).removeprefix('torch.')}-b{block_size}-{digest}"
 
 

@@ -5,7 +5,9 @@
 // and 128 with up to 8 query heads per KV head (blocks a multiple of 16 tokens) take a path
 // that scores 16 tokens at a time and keeps the output sums in registers; with AMX, bf16
 // caches of 64 tokens and more take tile products (DecodeTiles); elsewhere the compiler
-// vectorizes the plain loops.
+// vectorizes the plain loops. An 8-bit cache (int8 codes, each row's fp32 scale after its
+// codes: engine/attention/quantized_kv.py) takes the plain loops, a block's rows widened to
+// fp32 as they are read.
 #include "amx.h"
 #include "avx512.h"
 #include "numerics.h"
@@ -51,13 +53,13 @@ inline bool scattered(const int64_t* table, int64_t b) {
 // the first `window` blocks of K and V into L2 (a block stored right after its predecessor
 // left to the hardware), and the first few of the cache walked into L1; then, per block b
 // read, block b + kPrefetchAhead into L1 and block b + window into L2.
-template <typename T, typename BlockPtr>
+template <typename C, typename BlockPtr>
 struct BlockPrefetch {
   const int64_t* table;
   int64_t num_blocks, span, window;
   BlockPtr block_ptr;  // (cache, block index) -> the task's stretch of that block
 
-  void l2_window_of(const T* k_cache, const T* v_cache) const {
+  void l2_window_of(const C* k_cache, const C* v_cache) const {
     for (int64_t b = 0; b < std::min(window, num_blocks); ++b) {
       if (scattered(table, b)) {
         prefetch_l2(block_ptr(k_cache, b), span);
@@ -66,20 +68,20 @@ struct BlockPrefetch {
     }
   }
 
-  void first_of(const T* cache) const {
+  void first_of(const C* cache) const {
     for (int64_t b = 0; b < std::min(kPrefetchAhead, num_blocks); ++b)
       prefetch(block_ptr(cache, b), span);
   }
 
-  void past(const T* cache, int64_t b) const {
+  void past(const C* cache, int64_t b) const {
     if (b + kPrefetchAhead < num_blocks) prefetch(block_ptr(cache, b + kPrefetchAhead), span);
     if (b + window < num_blocks && scattered(table, b + window))
       prefetch_l2(block_ptr(cache, b + window), span);
   }
 };
 
-template <typename T, typename BlockPtr>
-BlockPrefetch<T, BlockPtr> block_prefetch(const int64_t* table, int64_t num_blocks,
+template <typename C, typename BlockPtr>
+BlockPrefetch<C, BlockPtr> block_prefetch(const int64_t* table, int64_t num_blocks,
                                           int64_t span, BlockPtr block_ptr) {
   return {table, num_blocks, span, l2_window(span), block_ptr};
 }
@@ -119,15 +121,43 @@ inline float capped(float s, float softcap) {
   return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
 }
 
+// A cache row: head_dim values of the model's dtype, or head_dim int8 codes and their fp32
+// scale (value = code * scale).
+constexpr int64_t kScaleBytes = 4;
+template <typename C>
+constexpr bool kCoded = std::is_same_v<C, int8_t>;
+
+template <typename C>
+constexpr int64_t row_width(int64_t dim) {
+  return kCoded<C> ? dim + kScaleBytes : dim;
+}
+
+// `count` rows of a block as fp32 [count][dim].
+template <typename C>
+inline void rows_to_float(const C* rows, int64_t count, int64_t dim, float* out) {
+  if constexpr (kCoded<C>) {
+    for (int64_t t = 0; t < count; ++t) {
+      const int8_t* row = rows + t * (dim + kScaleBytes);
+      float scale;
+      std::memcpy(&scale, row + dim, sizeof scale);
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) out[t * dim + d] = float(row[d]) * scale;
+    }
+  } else {
+    for (int64_t i = 0; i < count * dim; ++i) out[i] = to_float(rows[i]);
+  }
+}
+
 // One (request, kv head): the scores of its `group` query heads over the context, softmax,
-// then the weighted sum of values. kDim > 0 fixes head_dim at compile time.
-template <typename T, int kDim>
-void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+// then the weighted sum of values. kDim > 0 fixes head_dim at compile time; C is the cache's
+// element (T, or int8_t for codes).
+template <typename T, typename C, int kDim>
+void decode_one_head(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
                      int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
                      std::vector<float>& tile) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
   const int64_t bs = a.block_size, group = a.group;
-  const int64_t block_elems = bs * dim;
+  const int64_t block_elems = bs * row_width<C>(dim);
   // The walk covers the blocks from the one holding `first`; positions count from its start.
   const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
   const int64_t head_start = a.first - skipped;  // positions before it are outside the window
@@ -138,14 +168,14 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
     for (int64_t d = 0; d < dim; ++d)
       query[g][d] = to_float(q[(a.head * group + g) * dim + d]) * a.scale;
   scores.resize(group * len);
-  tile.resize(block_elems);
+  tile.resize(bs * dim);
   float* kf = tile.data();
-  auto block_ptr = [&](const T* cache, int64_t b) {
+  auto block_ptr = [&](const C* cache, int64_t b) {
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
 
-  const int64_t span = block_elems * int64_t(sizeof(T));
-  const auto ahead = block_prefetch<T>(table, num_blocks, span, block_ptr);
+  const int64_t span = block_elems * int64_t(sizeof(C));
+  const auto ahead = block_prefetch<C>(table, num_blocks, span, block_ptr);
   ahead.l2_window_of(k_cache, v_cache);
   ahead.first_of(k_cache);
   float maxes[kMaxGroup];
@@ -153,8 +183,7 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
   for (int64_t b = 0; b < num_blocks; ++b) {
     ahead.past(k_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
-    const T* keys = block_ptr(k_cache, b);
-    for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(keys[i]);
+    rows_to_float(block_ptr(k_cache, b), count, dim, kf);
     int64_t t = b == 0 ? head_start : 0;
     for (int64_t g = 0; g < group; ++g)  // outside the window: zero weight after softmax
       std::fill(scores.data() + g * len + start, scores.data() + g * len + start + t, -INFINITY);
@@ -198,8 +227,7 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
   for (int64_t b = 0; b < num_blocks; ++b) {
     ahead.past(v_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
-    const T* values = block_ptr(v_cache, b);
-    for (int64_t i = 0; i < count * dim; ++i) kf[i] = to_float(values[i]);
+    rows_to_float(block_ptr(v_cache, b), count, dim, kf);
     for (int64_t g = 0; g < group; ++g) {
       const float* pg = scores.data() + g * len + start;
       float* ag = acc[g];
@@ -215,15 +243,15 @@ void decode_one_head(const T* q, const T* k_cache, const T* v_cache, const int64
       store(out + (a.head * group + g) * dim + d, acc[g][d] * inv_sums[g]);
 }
 
-template <typename T, int kDim>
-void decode_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+template <typename T, typename C, int kDim>
+void decode_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
                 int64_t dim_arg, const Task& a, T* out, std::vector<float>& scores,
                 std::vector<float>& tile) {
   for (int64_t h = a.head; h < a.head + a.num_task_heads; ++h) {
     Task one = a;
     one.head = h;
     one.num_task_heads = 1;
-    decode_one_head<T, kDim>(q, k_cache, v_cache, table, dim_arg, one, out, scores, tile);
+    decode_one_head<T, C, kDim>(q, k_cache, v_cache, table, dim_arg, one, out, scores, tile);
   }
 }
 
@@ -705,8 +733,8 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
 }
 #endif
 
-template <typename T>
-using DecodeOne = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, const Task&,
+template <typename T, typename C>
+using DecodeOne = void (*)(const T*, const C*, const C*, const int64_t*, int64_t, const Task&,
                            T*, std::vector<float>&, std::vector<float>&);
 
 #if defined(__AVX512F__)
@@ -726,34 +754,35 @@ R for_group(int64_t group, R none, Pick pick) {
 }
 #endif
 
-template <typename T, int kDim>
-DecodeOne<T> simd_for_group(int64_t group) {
+template <typename T, typename C, int kDim>
+DecodeOne<T, C> simd_for_group(int64_t group) {
 #if defined(__AVX512F__)
-  return for_group(group, DecodeOne<T>(decode_one<T, kDim>), [](auto g) -> DecodeOne<T> {
-    return decode_one_simd<T, kDim, decltype(g)::value>;
-  });
-#else
-  (void)group;
-  return decode_one<T, kDim>;
+  if constexpr (std::is_same_v<T, C>)
+    return for_group(group, DecodeOne<T, C>(decode_one<T, C, kDim>),
+                     [](auto g) -> DecodeOne<T, C> {
+                       return decode_one_simd<T, kDim, decltype(g)::value>;
+                     });
 #endif
+  (void)group;
+  return decode_one<T, C, kDim>;
 }
 
-template <typename T>
-DecodeOne<T> pick_decode_one(int64_t dim, int64_t group, int64_t block_size) {
-  if (block_size % 16 != 0) return decode_one<T, 0>;
-  if (dim == 64) return simd_for_group<T, 64>(group);
-  if (dim == 128) return simd_for_group<T, 128>(group);
-  return decode_one<T, 0>;
+template <typename T, typename C>
+DecodeOne<T, C> pick_decode_one(int64_t dim, int64_t group, int64_t block_size) {
+  if (block_size % 16 != 0) return decode_one<T, C, 0>;
+  if (dim == 64) return simd_for_group<T, C, 64>(group);
+  if (dim == 128) return simd_for_group<T, C, 128>(group);
+  return decode_one<T, C, 0>;
 }
 
-template <typename T>
-using DecodeRun = void (*)(const Run<T>&, const T*, const T*, const int64_t*, const Task&,
+template <typename T, typename C>
+using DecodeRun = void (*)(const Run<T>&, const C*, const C*, const int64_t*, const Task&,
                            std::vector<float>&, std::vector<float>&);
 
 template <typename T, int kDim>
-DecodeRun<T> run_for_group(int64_t group) {
+DecodeRun<T, T> run_for_group(int64_t group) {
 #if defined(__AVX512F__)
-  return for_group(group, DecodeRun<T>(nullptr), [](auto g) -> DecodeRun<T> {
+  return for_group(group, DecodeRun<T, T>(nullptr), [](auto g) -> DecodeRun<T, T> {
     return decode_run_simd<T, kDim, decltype(g)::value>;
   });
 #else
@@ -763,25 +792,31 @@ DecodeRun<T> run_for_group(int64_t group) {
 }
 
 // The run kernel where one serves these shapes (else each row of a run alone).
-template <typename T>
-DecodeRun<T> pick_decode_run(int64_t dim, int64_t group, int64_t block_size, int64_t window) {
-  if (block_size % 16 != 0 || window > 0) return nullptr;
-  if (dim == 64) return run_for_group<T, 64>(group);
-  if (dim == 128) return run_for_group<T, 128>(group);
-  return nullptr;
+template <typename T, typename C>
+DecodeRun<T, C> pick_decode_run(int64_t dim, int64_t group, int64_t block_size,
+                                int64_t window) {
+  if constexpr (!std::is_same_v<T, C>) {
+    (void)dim, (void)group, (void)block_size, (void)window;
+    return nullptr;
+  } else {
+    if (block_size % 16 != 0 || window > 0) return nullptr;
+    if (dim == 64) return run_for_group<T, 64>(group);
+    if (dim == 128) return run_for_group<T, 128>(group);
+    return nullptr;
+  }
 }
 
 // Entries [runs[i], runs[i + 1]) are run i: rows of one request at consecutive positions,
 // their block tables alike (runs == nullptr: every entry is a run of its own).
-template <typename T>
-void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+template <typename T, typename C>
+void decode(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,
             const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
             const int64_t* rows, int64_t n, const int64_t* runs, int64_t num_runs,
             int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t dim,
             float scale, int64_t window, float softcap, bool tiles, T* out, int threads) {
   const int64_t group = num_heads / num_kv_heads;
-  const DecodeOne<T> one = pick_decode_one<T>(dim, group, block_size);
-  const DecodeRun<T> run_kernel = pick_decode_run<T>(dim, group, block_size, window);
+  const DecodeOne<T, C> one = pick_decode_one<T, C>(dim, group, block_size);
+  const DecodeRun<T, C> run_kernel = pick_decode_run<T, C>(dim, group, block_size, window);
   if (runs == nullptr) num_runs = n;
   // Enough runs to share out: one task per run, its heads read block by block. Few: one
   // task per (run, KV head), so every thread has work.
@@ -817,7 +852,45 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
   }
 }
 
+// One row of values as int8 codes and their scale, the bits quantize_rows makes in torch.
+template <typename T>
+void quantize_row(const T* x, int64_t dim, int8_t* row) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  float scale = amax / 127.f;
+  if (!(scale > 0.f)) scale = 1.f;
+  for (int64_t d = 0; d < dim; ++d)
+    row[d] = int8_t(std::clamp(std::nearbyint(to_float(x[d]) / scale), -127.f, 127.f));
+  std::memcpy(row + dim, &scale, sizeof scale);
+}
+
+template <typename T>
+void write_codes(const char* k, int64_t k_stride, const char* v, int64_t v_stride,
+                 int8_t* k_cache, int8_t* v_cache, const int64_t* rows, int64_t tokens,
+                 int64_t heads, int64_t dim) {
+  const int64_t width = row_width<int8_t>(dim);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = rows[t * heads + h];
+      quantize_row(reinterpret_cast<const T*>(k + t * k_stride) + h * dim, dim,
+                   k_cache + row * width);
+      quantize_row(reinterpret_cast<const T*>(v + t * v_stride) + h * dim, dim,
+                   v_cache + row * width);
+    }
+}
+
 }  // namespace
+
+// loom_write_kv into int8 caches: each head's row quantized (rows of dim + 4 bytes).
+extern "C" void loom_write_kv_codes(const char* k, int64_t k_stride, const char* v,
+                                    int64_t v_stride, int is_bf16, int8_t* k_cache,
+                                    int8_t* v_cache, const int64_t* rows, int64_t tokens,
+                                    int64_t heads, int64_t dim) {
+  if (is_bf16)
+    write_codes<uint16_t>(k, k_stride, v, v_stride, k_cache, v_cache, rows, tokens, heads, dim);
+  else
+    write_codes<float>(k, k_stride, v, v_stride, k_cache, v_cache, rows, tokens, heads, dim);
+}
 
 // Row rows[t * heads + h] of each cache (viewed as [rows, dim]) gets token t's head h of k
 // (and of v): one plain copy per row, the new tokens' heads back to back in their rows.
@@ -832,7 +905,8 @@ extern "C" void loom_write_kv(const char* k, int64_t k_stride, const char* v, in
     }
 }
 
-extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
+// codes: the caches hold int8 codes and scales (else values of q's dtype).
+extern "C" int loom_paged_decode(int is_bf16, int codes, const void* q, int64_t q_stride,
                                  const void* k_cache, const void* v_cache, const int64_t* tables,
                                  int64_t table_stride, const int64_t* seq_lens,
                                  const int64_t* rows, int64_t n, const int64_t* runs,
@@ -848,15 +922,22 @@ extern "C" int loom_paged_decode(int is_bf16, const void* q, int64_t q_stride,
     for (int64_t r = runs[i] + 1; r < runs[i + 1]; ++r)
       if (seq_lens[r] < seq_lens[r - 1]) return 2;
   }
-  if (is_bf16)
-    decode(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_cache),
-           static_cast<const uint16_t*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           runs, num_runs, num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
-           tiles != 0, static_cast<uint16_t*>(out), threads);
+  auto run = [&](auto* typed_out, auto* typed_cache) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    using C = std::remove_const_t<std::remove_pointer_t<decltype(typed_cache)>>;
+    decode(static_cast<const T*>(q), q_stride, static_cast<const C*>(k_cache),
+           static_cast<const C*>(v_cache), tables, table_stride, seq_lens, rows, n, runs,
+           num_runs, num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
+           tiles != 0, typed_out, threads);
+  };
+  const int8_t* coded = nullptr;
+  if (is_bf16 && codes)
+    run(static_cast<uint16_t*>(out), coded);
+  else if (is_bf16)
+    run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(nullptr));
+  else if (codes)
+    run(static_cast<float*>(out), coded);
   else
-    decode(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_cache),
-           static_cast<const float*>(v_cache), tables, table_stride, seq_lens, rows, n,
-           runs, num_runs, num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
-           tiles != 0, static_cast<float*>(out), threads);
+    run(static_cast<float*>(out), static_cast<const float*>(nullptr));
   return 0;
 }

@@ -1,0 +1,70 @@
+"""The engine with an 8-bit KV cache against transformers computing on the same codes: the
+oracle's transformers model stores every key and value as the cache does (rotated, quantized
+and back), so greedy outputs must agree token for token through mixed batches, chunked
+prefill, preemption and prefix-cache hits, near ties excused as elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+
+from engine.attention.quantized_kv import dequantize_rows, quantize_rows, rotate
+from engine.kv_cache_groups import KVCacheLayout
+from engine.models.config import ModelConfig
+from tests.engine_helpers import (
+    assert_equals_transformers_generate,
+    greedy_request,
+    make_core,
+    run_to_completion,
+)
+from tests.model_fixtures import build_tiny_hf_model
+from tests.test_engine import prompt_of
+from tests.test_quantized_kv import CODES
+
+
+def as_the_cache_holds(x: torch.Tensor, codes: torch.dtype) -> torch.Tensor:
+    """Keys or values [..., D] as an 8-bit cache gives them back to attention."""
+    rows = quantize_rows(rotate(x).reshape(-1, x.shape[-1]), codes)
+    return rotate(dequantize_rows(rows, x.dtype)).view(x.shape)
+
+
+def oracle_attention(codes: torch.dtype, inner=sdpa_attention_forward):
+    """`inner` (transformers' own attention) over keys and values as the cache holds them."""
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return inner(module, query, as_the_cache_holds(key, codes),
+                     as_the_cache_holds(value, codes), attention_mask, **kwargs)
+    return attention
+
+
+@pytest.mark.parametrize("codes", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_an_8bit_cache_equals_transformers_on_the_same_codes(model_type: str, codes: str,
+                                                             tmp_path: Path) -> None:
+    overrides = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 24,
+                 "attn_logit_softcapping": 3.0} if model_type == "gemma2" else {}
+    hf_model = build_tiny_hf_model(model_type, **overrides)
+    hf_model.save_pretrained(tmp_path / model_type)
+    name = f"loom_{codes}_kv_{model_type}"
+    inner = gemma2_eager if model_type == "gemma2" else sdpa_attention_forward  # SDPA: no caps
+    AttentionInterface.register(name, oracle_attention(CODES[codes], inner))
+    AttentionMaskInterface.register(name, eager_mask if inner is gemma2_eager else sdpa_mask)
+    hf_model.set_attn_implementation(name)
+    layout = KVCacheLayout.for_model(ModelConfig.from_hf(hf_model.config.to_dict()))
+    core = make_core(str(tmp_path / model_type), kv_cache_dtype=codes,
+                     num_kv_blocks=12 * layout.num_groups, max_num_batched_tokens=32)
+    shared = prompt_of(36, 99)  # two whole blocks that later prompts find in the cache
+    run_to_completion(core, [greedy_request(shared + prompt_of(5, 1), max_tokens=4)])
+    prompts = [shared + prompt_of(n, i) for i, n in enumerate((5, 30))]
+    prompts += [prompt_of(n, 10 + i) for i, n in enumerate((3, 70, 1, 25))]
+    batch = [greedy_request(prompt, max_tokens=20) for prompt in prompts]
+    hits_before = core.block_manager.stats.hits
+    outputs = run_to_completion(core, batch)
+    assert core.block_manager.stats.hits - hits_before >= 2 * 32, "the shared prefix was hit"
+    assert core.scheduler.num_preemptions >= 1
+    assert_equals_transformers_generate(outputs, batch, hf_model)
