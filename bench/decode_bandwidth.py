@@ -7,7 +7,8 @@ cache per layer with its blocks shuffled as a busy server leaves them, allocated
 allocates its cache (on 2 MiB pages; `--plain-pages`: 4 KiB); each repeat runs the kernel
 over every layer once, as a step does, so the figures are not a cache-warm single layer. The
 kernel's GB/s counts the K and V bytes its rows read; the streaming read is `sum()` over
-tensors of the same total bytes on the same threads, its GB/s the reference.
+tensors of the same total bytes on the same threads, its GB/s the reference. `int8` and
+`int8-bf16` are 8-bit caches (engine.attention.quantized_kv) read with fp32 or bf16 queries.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import torch
 
 from bench.attention import median_ms
 from engine.attention.metadata import DecodeBatch
+from engine.attention.quantized_kv import is_quantized, quantize_rows, row_width
 from engine.kernels.paged_decode import load_cpp_decode, run_paged_decode
 from engine.platform.cpu import kernel_flags
 from engine.platform.huge_pages import zeros_on_huge_pages
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# cache name -> (query dtype, cache dtype)
+DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
+          "int8": (torch.float32, torch.int8), "int8-bf16": (torch.bfloat16, torch.int8)}
 CPU = torch.device("cpu")
 
 
@@ -43,15 +47,25 @@ def scattered_batch(batch: int, context: int, block_size: int,
     return decodes, len(blocks)
 
 
-def measure(batch: int, context: int, dtype: torch.dtype, block_size: int, layers: int,
-            repeats: int, plain_pages: bool) -> tuple[float, float, float]:
+def random_cache(shape: tuple[int, ...], dtype: torch.dtype, plain_pages: bool) -> torch.Tensor:
+    allocate = torch.zeros if plain_pages else partial(zeros_on_huge_pages, device=CPU)
+    if not is_quantized(dtype):
+        return allocate(shape, dtype=dtype).normal_()
+    *rows, head_dim = shape
+    cache = allocate((*rows, row_width(head_dim, dtype)), dtype=dtype)
+    return cache.copy_(quantize_rows(torch.randn(*rows, head_dim).view(-1, head_dim), dtype)
+                       .view(cache.shape))
+
+
+def measure(batch: int, context: int, dtypes: tuple[torch.dtype, torch.dtype], block_size: int,
+            layers: int, repeats: int, plain_pages: bool) -> tuple[float, float, float]:
     """(kernel ms per layer, kernel GB/s, streaming-read GB/s)."""
     decodes, num_blocks = scattered_batch(batch, context, block_size, seed=context)
     shape = (num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
-    allocate = torch.zeros if plain_pages else partial(zeros_on_huge_pages, device=CPU)
-    caches = [(allocate(shape, dtype=dtype).normal_(), allocate(shape, dtype=dtype).normal_())
+    query_dtype, dtype = dtypes
+    caches = [(random_cache(shape, dtype, plain_pages), random_cache(shape, dtype, plain_pages))
               for _ in range(layers)]
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=query_dtype)
     out = torch.empty_like(q)
 
     def step() -> None:
@@ -73,7 +87,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--contexts", default="128,1000")
-    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--dtypes", default="bf16,fp32", help=f"of {', '.join(DTYPES)}")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--plain-pages", action="store_true",

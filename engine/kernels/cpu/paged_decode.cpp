@@ -9,6 +9,7 @@
 // codes: engine/attention/quantized_kv.py) takes the plain loops, a block's rows widened to
 // fp32 as they are read.
 #include "amx.h"
+#include "avx2.h"
 #include "avx512.h"
 #include "numerics.h"
 
@@ -254,6 +255,115 @@ void decode_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* t
     decode_one_head<T, C, kDim>(q, k_cache, v_cache, table, dim_arg, one, out, scores, tile);
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// AVX2 over int8 rows, head_dim and the group fixed at compile time. A token's score is its
+// codes (widened 8 at a time) dotted with each query head, one horizontal sum per head, times
+// its scale; its values are added kVecs vectors of dims at a time, every query head's sums
+// in registers, each block's rows read once.
+inline __m256 widen8(const int8_t* p) {
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+}
+
+inline float row_scale(const int8_t* row, int64_t dim) {
+  float scale;
+  std::memcpy(&scale, row + dim, sizeof scale);
+  return scale;
+}
+
+template <typename T, int kDim, int kGroup>
+void decode_codes_head(const T* q, const int8_t* k_cache, const int8_t* v_cache,
+                       const int64_t* table, const Task& a, T* out,
+                       std::vector<float>& scores) {
+  constexpr int64_t kWidth = kDim + kScaleBytes, kChunks = kDim / 8;
+  constexpr int kVecs = kGroup == 1 ? 8 : kGroup <= 3 ? 4 : kGroup <= 7 ? 2 : 1;
+  const int64_t bs = a.block_size, block_elems = bs * kWidth;
+  const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
+  const int64_t head_start = a.first - skipped, num_blocks = (len + bs - 1) / bs;
+  table += skipped / bs;
+  alignas(32) float query[kGroup][kDim];
+  for (int64_t g = 0; g < kGroup; ++g)
+    for (int64_t d = 0; d < kDim; ++d)
+      query[g][d] = to_float(q[(a.head * kGroup + g) * kDim + d]) * a.scale;
+  scores.resize(kGroup * len);
+  auto block_ptr = [&](const int8_t* cache, int64_t b) {
+    return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
+  };
+  const auto ahead = block_prefetch<int8_t>(table, num_blocks, block_elems, block_ptr);
+  ahead.l2_window_of(k_cache, v_cache);
+  ahead.first_of(k_cache);
+  float maxes[kGroup];
+  std::fill(maxes, maxes + kGroup, -INFINITY);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    ahead.past(k_cache, b);
+    const int64_t start = b * bs, count = std::min(bs, len - start);
+    const int8_t* rows = block_ptr(k_cache, b);
+    const int64_t first = b == 0 ? head_start : 0;
+    for (int64_t g = 0; g < kGroup; ++g)
+      std::fill(&scores[g * len + start], &scores[g * len + start + first], -INFINITY);
+    for (int64_t t = first; t < count; ++t) {
+      const int8_t* row = rows + t * kWidth;
+      __m256 keys[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) keys[c] = widen8(row + 8 * c);
+      const float scale = row_scale(row, kDim);
+      for (int64_t g = 0; g < kGroup; ++g) {  // four chains of FMAs, not one long one
+        __m256 sums[4];
+        for (int64_t c = 0; c < 4; ++c)
+          sums[c] = _mm256_mul_ps(keys[c], _mm256_load_ps(query[g] + 8 * c));
+        for (int64_t c = 4; c < kChunks; ++c)
+          sums[c % 4] = _mm256_fmadd_ps(keys[c], _mm256_load_ps(query[g] + 8 * c), sums[c % 4]);
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(sums[0], sums[1]),
+                                         _mm256_add_ps(sums[2], sums[3]));
+        const float score = capped(sum8(sum) * scale, a.softcap);
+        scores[g * len + start + t] = score;
+        maxes[g] = std::max(maxes[g], score);
+      }
+    }
+  }
+  ahead.first_of(v_cache);
+  float inv_sums[kGroup];
+  softmax_rows(scores.data(), kGroup, len, maxes, inv_sums);
+  alignas(32) float acc[kGroup][kDim] = {};
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    ahead.past(v_cache, b);
+    const int64_t start = b * bs, count = std::min(bs, len - start);
+    const int8_t* rows = block_ptr(v_cache, b);
+    for (int64_t part = 0; part < kDim; part += 8 * kVecs) {
+      __m256 sums[kGroup][kVecs];
+      for (int64_t g = 0; g < kGroup; ++g)
+        for (int64_t c = 0; c < kVecs; ++c) sums[g][c] = _mm256_load_ps(acc[g] + part + 8 * c);
+      for (int64_t t = 0; t < count; ++t) {
+        const int8_t* row = rows + t * kWidth;
+        __m256 values[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) values[c] = widen8(row + part + 8 * c);
+        const float scale = row_scale(row, kDim);
+        for (int64_t g = 0; g < kGroup; ++g) {
+          const __m256 weight = _mm256_set1_ps(scores[g * len + start + t] * scale);
+          for (int64_t c = 0; c < kVecs; ++c)
+            sums[g][c] = _mm256_fmadd_ps(weight, values[c], sums[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < kGroup; ++g)
+        for (int64_t c = 0; c < kVecs; ++c) _mm256_store_ps(acc[g] + part + 8 * c, sums[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < kGroup; ++g)
+    for (int64_t d = 0; d < kDim; ++d)
+      store(out + (a.head * kGroup + g) * kDim + d, acc[g][d] * inv_sums[g]);
+}
+
+template <typename T, int kDim, int kGroup>
+void decode_codes_avx2(const T* q, const int8_t* k_cache, const int8_t* v_cache,
+                       const int64_t* table, int64_t, const Task& a, T* out,
+                       std::vector<float>& scores, std::vector<float>&) {
+  for (int64_t h = a.head; h < a.head + a.num_task_heads; ++h) {
+    Task one = a;
+    one.head = h;
+    decode_codes_head<T, kDim, kGroup>(q, k_cache, v_cache, table, one, out, scores);
+  }
+}
+#endif
 
 // Up to kMaxRun rows of one request at consecutive positions (a decode and its drafts, or a
 // short prompt chunk's rows), row r seeing its context's first lens[r] tokens.
@@ -737,7 +847,6 @@ template <typename T, typename C>
 using DecodeOne = void (*)(const T*, const C*, const C*, const int64_t*, int64_t, const Task&,
                            T*, std::vector<float>&, std::vector<float>&);
 
-#if defined(__AVX512F__)
 constexpr int kMaxSimdGroup = 8;
 
 // pick(std::integral_constant<int, G>{}) for the group G, 1..kMaxSimdGroup, else `none`: the
@@ -752,10 +861,16 @@ R for_group(int64_t group, R none, Pick pick) {
     return for_group<kGroup + 1>(group, none, pick);
   }
 }
-#endif
 
 template <typename T, typename C, int kDim>
 DecodeOne<T, C> simd_for_group(int64_t group) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kCoded<C>)
+    return for_group(group, DecodeOne<T, C>(decode_one<T, C, kDim>),
+                     [](auto g) -> DecodeOne<T, C> {
+                       return decode_codes_avx2<T, kDim, decltype(g)::value>;
+                     });
+#endif
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, C>)
     return for_group(group, DecodeOne<T, C>(decode_one<T, C, kDim>),
@@ -769,7 +884,7 @@ DecodeOne<T, C> simd_for_group(int64_t group) {
 
 template <typename T, typename C>
 DecodeOne<T, C> pick_decode_one(int64_t dim, int64_t group, int64_t block_size) {
-  if (block_size % 16 != 0) return decode_one<T, C, 0>;
+  if (block_size % 16 != 0 && !kCoded<C>) return decode_one<T, C, 0>;
   if (dim == 64) return simd_for_group<T, C, 64>(group);
   if (dim == 128) return simd_for_group<T, C, 128>(group);
   return decode_one<T, C, 0>;
