@@ -1,8 +1,10 @@
 """What quantization costs in quality: perplexity of a fixed text and greedy agreement on 20
-prompts, for each `--quantization` method side by side, in-process.
+prompts, for each `--quantization` method (and each `--kv-cache-dtype`) side by side,
+in-process.
 
     python -m bench.quality [--model DIR] [--dtype auto] [--methods none,int8,int4,w8a8]
-        [--gguf FILE.gguf] [--tokens 1024] [--prompts 20] [--max-tokens 32]
+        [--kv-cache-dtypes auto,int8] [--gguf FILE.gguf] [--tokens 1024] [--prompts 20]
+        [--max-tokens 32]
 
 The text is the project's own prompt file (bench/data/prompts.jsonl, the prompts joined by
 blank lines), its first --tokens tokens in one forward. Agreement compares each method's
@@ -85,12 +87,15 @@ def chat_prompts(tokenizer: BenchTokenizer, count: int) -> list[list[int]]:
 
 
 def measure(model: str, dtype: str, method: str, text: list[int], prompts: list[list[int]],
-            max_tokens: int, label: str | None = None) -> Quality:
+            max_tokens: int, label: str | None = None, kv_cache_dtype: str = "auto") -> Quality:
     started = time.perf_counter()
     core = EngineCore(EngineConfig(model, dtype=dtype, quantization=method,
+                                   kv_cache_dtype=kv_cache_dtype,
                                    num_kv_blocks=len(text) // BLOCK_SIZE + 64))
     ppl = perplexity(core, text)
     answers = greedy_answers(core, prompts, max_tokens)
+    if kv_cache_dtype != "auto":
+        label = f"{label or method}, {kv_cache_dtype} KV"
     return Quality(label or method, ppl, answers, time.perf_counter() - started)
 
 
@@ -112,6 +117,8 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--methods", default=",".join(QUANTIZATION_METHODS))
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="each method with each of these KV caches (auto first)")
     parser.add_argument("--gguf", default=None, help="also this GGUF file, as it is")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--prompts", type=int, default=20)
@@ -124,8 +131,9 @@ def main() -> None:
     text = quality_text(tokenizer, args.tokens)
     prompts = chat_prompts(tokenizer, args.prompts)
     methods = args.methods.split(",")
-    results = [measure(model, args.dtype, method, text, prompts, args.max_tokens)
-               for method in methods]
+    results = [measure(model, args.dtype, method, text, prompts, args.max_tokens,
+                       kv_cache_dtype=kv)
+               for method in methods for kv in args.kv_cache_dtypes.split(",")]
     if args.gguf:
         results.append(measure(resolve_model(args.gguf), args.dtype, "auto", text, prompts,
                                args.max_tokens, label=f"{Path(args.gguf).name} (auto)"))
