@@ -87,3 +87,21 @@ def test_the_tier_stays_off_with_sliding_window_layers(tmp_path: Path,
     core = offloading(model, tmp_path / "kv")
     assert core.disk_tier is None
     assert "KV disk tier off" in caplog.text
+
+
+def test_an_int8_cache_keeps_its_blocks_apart_and_reads_them_back(model_dir: str,
+                                                                  tmp_path: Path) -> None:
+    """The tier's key names the codes: an int8 engine's entries are its own, a float engine on
+    the same directory misses them, and a restarted int8 engine answers from them as cold."""
+    prompt = prompt_of(100, 7)
+    fresh, _ = generate(make_core(model_dir, kv_cache_dtype="int8"), prompt)
+    first = offloading(model_dir, tmp_path, kv_cache_dtype="int8")
+    assert generate(first, prompt) == (fresh, 0)
+    first.shutdown()
+    float_engine = offloading(model_dir, tmp_path)
+    assert generate(float_engine, prompt)[1] == 0
+    float_engine.shutdown()
+    second = offloading(model_dir, tmp_path, kv_cache_dtype="int8")
+    assert generate(second, prompt) == (fresh, 96)
+    second.shutdown()
+    assert len([path for path in tmp_path.iterdir() if path.is_dir()]) == 2  # two keys
