@@ -257,26 +257,60 @@ void decode_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* t
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// AVX2 over int8 rows, head_dim and the group fixed at compile time. A token's score is its
-// codes (widened 8 at a time) dotted with each query head, one horizontal sum per head, times
-// its scale; its values are added kVecs vectors of dims at a time, every query head's sums
-// in registers, each block's rows read once.
-inline __m256 widen8(const int8_t* p) {
+// AVX2, head_dim and the group fixed at compile time, over rows of fp32, bf16 or int8 codes
+// (their scale applied to each token's sums). Scores come four tokens at a time: each
+// token's products with a query head as one vector of partial sums, four folded into the
+// four scores with horizontal adds. Values are added kVecs vectors of dims at a time, every
+// query head's sums in registers, each block's rows read once.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const int8_t* p) {
   const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
 }
 
-inline float row_scale(const int8_t* row, int64_t dim) {
-  float scale;
-  std::memcpy(&scale, row + dim, sizeof scale);
-  return scale;
+template <typename C>
+inline float row_scale(const C* row, int64_t dim) {
+  if constexpr (kCoded<C>) {
+    float scale;
+    std::memcpy(&scale, row + dim, sizeof scale);
+    return scale;
+  } else {
+    (void)row, (void)dim;
+    return 1.f;
+  }
 }
 
-template <typename T, int kDim, int kGroup>
-void decode_codes_head(const T* q, const int8_t* k_cache, const int8_t* v_cache,
-                       const int64_t* table, const Task& a, T* out,
-                       std::vector<float>& scores) {
-  constexpr int64_t kWidth = kDim + kScaleBytes, kChunks = kDim / 8;
+// The four tokens' sums of their vectors of partial sums, in token order.
+inline __m128 fold4(__m256 t0, __m256 t1, __m256 t2, __m256 t3) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// One token's products with the group's query heads as vectors of partial sums.
+template <typename C, int kDim, int kGroup>
+inline void token_partials(const C* row, const float (*query)[kDim], __m256* out) {
+  constexpr int64_t kChunks = kDim / 8;
+  __m256 keys[kChunks];
+  for (int64_t c = 0; c < kChunks; ++c) keys[c] = load8(row + 8 * c);
+  for (int64_t g = 0; g < kGroup; ++g) {  // two chains of FMAs, not one long one
+    __m256 even = _mm256_mul_ps(keys[0], _mm256_load_ps(query[g]));
+    __m256 odd = _mm256_mul_ps(keys[1], _mm256_load_ps(query[g] + 8));
+    for (int64_t c = 2; c < kChunks; c += 2) {
+      even = _mm256_fmadd_ps(keys[c], _mm256_load_ps(query[g] + 8 * c), even);
+      odd = _mm256_fmadd_ps(keys[c + 1], _mm256_load_ps(query[g] + 8 * c + 8), odd);
+    }
+    out[g] = _mm256_add_ps(even, odd);
+  }
+}
+
+template <typename T, typename C, int kDim, int kGroup>
+void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
+                      const Task& a, T* out, std::vector<float>& scores) {
+  constexpr int64_t kWidth = row_width<C>(kDim);
   constexpr int kVecs = kGroup == 1 ? 8 : kGroup <= 3 ? 4 : kGroup <= 7 ? 2 : 1;
   const int64_t bs = a.block_size, block_elems = bs * kWidth;
   const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
@@ -287,39 +321,41 @@ void decode_codes_head(const T* q, const int8_t* k_cache, const int8_t* v_cache,
     for (int64_t d = 0; d < kDim; ++d)
       query[g][d] = to_float(q[(a.head * kGroup + g) * kDim + d]) * a.scale;
   scores.resize(kGroup * len);
-  auto block_ptr = [&](const int8_t* cache, int64_t b) {
+  auto block_ptr = [&](const C* cache, int64_t b) {
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
-  const auto ahead = block_prefetch<int8_t>(table, num_blocks, block_elems, block_ptr);
+  const auto ahead = block_prefetch<C>(table, num_blocks, block_elems * sizeof(C), block_ptr);
   ahead.l2_window_of(k_cache, v_cache);
   ahead.first_of(k_cache);
-  float maxes[kGroup];
-  std::fill(maxes, maxes + kGroup, -INFINITY);
   for (int64_t b = 0; b < num_blocks; ++b) {
     ahead.past(k_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
-    const int8_t* rows = block_ptr(k_cache, b);
-    const int64_t first = b == 0 ? head_start : 0;
-    for (int64_t g = 0; g < kGroup; ++g)
-      std::fill(&scores[g * len + start], &scores[g * len + start + first], -INFINITY);
-    for (int64_t t = first; t < count; ++t) {
-      const int8_t* row = rows + t * kWidth;
-      __m256 keys[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) keys[c] = widen8(row + 8 * c);
-      const float scale = row_scale(row, kDim);
-      for (int64_t g = 0; g < kGroup; ++g) {  // four chains of FMAs, not one long one
-        __m256 sums[4];
-        for (int64_t c = 0; c < 4; ++c)
-          sums[c] = _mm256_mul_ps(keys[c], _mm256_load_ps(query[g] + 8 * c));
-        for (int64_t c = 4; c < kChunks; ++c)
-          sums[c % 4] = _mm256_fmadd_ps(keys[c], _mm256_load_ps(query[g] + 8 * c), sums[c % 4]);
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(sums[0], sums[1]),
-                                         _mm256_add_ps(sums[2], sums[3]));
-        const float score = capped(sum8(sum) * scale, a.softcap);
-        scores[g * len + start + t] = score;
-        maxes[g] = std::max(maxes[g], score);
+    const C* rows = block_ptr(k_cache, b);
+    for (int64_t t = 0; t < count; t += 4) {
+      __m256 partials[4][kGroup];
+      alignas(16) float scales[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t i = 0; i < 4 && t + i < count; ++i) {
+        token_partials<C, kDim, kGroup>(rows + (t + i) * kWidth, query, partials[i]);
+        scales[i] = row_scale(rows + (t + i) * kWidth, kDim);
+      }
+      for (int64_t i = count - t; i < 4; ++i)
+        for (int64_t g = 0; g < kGroup; ++g) partials[i][g] = _mm256_setzero_ps();
+      const __m128 scale4 = _mm_load_ps(scales);
+      for (int64_t g = 0; g < kGroup; ++g) {
+        const __m128 four = _mm_mul_ps(fold4(partials[0][g], partials[1][g], partials[2][g],
+                                             partials[3][g]), scale4);
+        alignas(16) float lanes[4];
+        _mm_store_ps(lanes, four);
+        std::copy(lanes, lanes + std::min<int64_t>(4, count - t), &scores[g * len + start + t]);
       }
     }
+  }
+  float maxes[kGroup];
+  for (int64_t g = 0; g < kGroup; ++g) {
+    float* sg = &scores[g * len];
+    std::fill(sg, sg + head_start, -INFINITY);  // outside the window: zero weight
+    for (int64_t j = head_start; j < len; ++j) sg[j] = capped(sg[j], a.softcap);
+    maxes[g] = *std::max_element(sg, sg + len);
   }
   ahead.first_of(v_cache);
   float inv_sums[kGroup];
@@ -328,15 +364,15 @@ void decode_codes_head(const T* q, const int8_t* k_cache, const int8_t* v_cache,
   for (int64_t b = 0; b < num_blocks; ++b) {
     ahead.past(v_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
-    const int8_t* rows = block_ptr(v_cache, b);
+    const C* rows = block_ptr(v_cache, b);
     for (int64_t part = 0; part < kDim; part += 8 * kVecs) {
       __m256 sums[kGroup][kVecs];
       for (int64_t g = 0; g < kGroup; ++g)
         for (int64_t c = 0; c < kVecs; ++c) sums[g][c] = _mm256_load_ps(acc[g] + part + 8 * c);
       for (int64_t t = 0; t < count; ++t) {
-        const int8_t* row = rows + t * kWidth;
+        const C* row = rows + t * kWidth;
         __m256 values[kVecs];
-        for (int64_t c = 0; c < kVecs; ++c) values[c] = widen8(row + part + 8 * c);
+        for (int64_t c = 0; c < kVecs; ++c) values[c] = load8(row + part + 8 * c);
         const float scale = row_scale(row, kDim);
         for (int64_t g = 0; g < kGroup; ++g) {
           const __m256 weight = _mm256_set1_ps(scores[g * len + start + t] * scale);
@@ -353,14 +389,14 @@ void decode_codes_head(const T* q, const int8_t* k_cache, const int8_t* v_cache,
       store(out + (a.head * kGroup + g) * kDim + d, acc[g][d] * inv_sums[g]);
 }
 
-template <typename T, int kDim, int kGroup>
-void decode_codes_avx2(const T* q, const int8_t* k_cache, const int8_t* v_cache,
-                       const int64_t* table, int64_t, const Task& a, T* out,
-                       std::vector<float>& scores, std::vector<float>&) {
+template <typename T, typename C, int kDim, int kGroup>
+void decode_one_avx2(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
+                     int64_t, const Task& a, T* out, std::vector<float>& scores,
+                     std::vector<float>&) {
   for (int64_t h = a.head; h < a.head + a.num_task_heads; ++h) {
     Task one = a;
     one.head = h;
-    decode_codes_head<T, kDim, kGroup>(q, k_cache, v_cache, table, one, out, scores);
+    decode_head_avx2<T, C, kDim, kGroup>(q, k_cache, v_cache, table, one, out, scores);
   }
 }
 #endif
@@ -864,11 +900,13 @@ R for_group(int64_t group, R none, Pick pick) {
 
 template <typename T, typename C, int kDim>
 DecodeOne<T, C> simd_for_group(int64_t group) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)  // int8 rows, and every row without AVX-512
+#if defined(__AVX512F__)
   if constexpr (kCoded<C>)
+#endif
     return for_group(group, DecodeOne<T, C>(decode_one<T, C, kDim>),
                      [](auto g) -> DecodeOne<T, C> {
-                       return decode_codes_avx2<T, kDim, decltype(g)::value>;
+                       return decode_one_avx2<T, C, kDim, decltype(g)::value>;
                      });
 #endif
 #if defined(__AVX512F__)
