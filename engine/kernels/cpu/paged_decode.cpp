@@ -311,7 +311,10 @@ template <typename T, typename C, int kDim, int kGroup>
 void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
                       const Task& a, T* out, std::vector<float>& scores) {
   constexpr int64_t kWidth = row_width<C>(kDim);
-  constexpr int kVecs = kGroup == 1 ? 8 : kGroup <= 3 ? 4 : kGroup <= 7 ? 2 : 1;
+  // Vectors of dims added per pass over a block's values: sums, values and weight in the
+  // 16 registers (int8 rows widen into two more).
+  constexpr int kVecs = kCoded<C> ? (kGroup <= 2 ? 4 : kGroup <= 6 ? 2 : 1)
+                                  : (kGroup == 1 ? 8 : kGroup <= 3 ? 4 : kGroup <= 7 ? 2 : 1);
   const int64_t bs = a.block_size, block_elems = bs * kWidth;
   const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
   const int64_t head_start = a.first - skipped, num_blocks = (len + bs - 1) / bs;
@@ -335,8 +338,9 @@ void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int6
       __m256 partials[4][kGroup];
       alignas(16) float scales[4] = {0.f, 0.f, 0.f, 0.f};
       for (int64_t i = 0; i < 4 && t + i < count; ++i) {
-        token_partials<C, kDim, kGroup>(rows + (t + i) * kWidth, query, partials[i]);
-        scales[i] = row_scale(rows + (t + i) * kWidth, kDim);
+        const C* row = rows + (t + i) * kWidth;
+        token_partials<C, kDim, kGroup>(row, query, partials[i]);
+        scales[i] = row_scale(row, kDim);
       }
       for (int64_t i = count - t; i < 4; ++i)
         for (int64_t g = 0; g < kGroup; ++g) partials[i][g] = _mm256_setzero_ps();
@@ -354,8 +358,12 @@ void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int6
   for (int64_t g = 0; g < kGroup; ++g) {
     float* sg = &scores[g * len];
     std::fill(sg, sg + head_start, -INFINITY);  // outside the window: zero weight
-    for (int64_t j = head_start; j < len; ++j) sg[j] = capped(sg[j], a.softcap);
-    maxes[g] = *std::max_element(sg, sg + len);
+    if (a.softcap > 0.f)
+      for (int64_t j = head_start; j < len; ++j) sg[j] = capped(sg[j], a.softcap);
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, sg[j]);
+    maxes[g] = top;
   }
   ahead.first_of(v_cache);
   float inv_sums[kGroup];
