@@ -15,16 +15,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
 
 from engine.attention.quantized_kv import dequantize_rows, quantize_rows, rotate
-from engine.kv_cache_groups import KVCacheLayout
-from engine.models.config import ModelConfig
-from tests.engine_helpers import (
-    assert_equals_transformers_generate,
-    greedy_request,
-    make_core,
-    run_to_completion,
-)
+from tests.engine_helpers import assert_equals_transformers_generate
 from tests.model_fixtures import build_tiny_hf_model
-from tests.test_engine import prompt_of
+from tests.test_architectures import run_mixed_cached_preempted_batch
 from tests.test_quantized_kv import CODES
 
 
@@ -55,16 +48,6 @@ def test_an_8bit_cache_equals_transformers_on_the_same_codes(model_type: str, co
     AttentionInterface.register(name, oracle_attention(CODES[codes], inner))
     AttentionMaskInterface.register(name, eager_mask if inner is gemma2_eager else sdpa_mask)
     hf_model.set_attn_implementation(name)
-    layout = KVCacheLayout.for_model(ModelConfig.from_hf(hf_model.config.to_dict()))
-    core = make_core(str(tmp_path / model_type), kv_cache_dtype=codes,
-                     num_kv_blocks=12 * layout.num_groups, max_num_batched_tokens=32)
-    shared = prompt_of(36, 99)  # two whole blocks that later prompts find in the cache
-    run_to_completion(core, [greedy_request(shared + prompt_of(5, 1), max_tokens=4)])
-    prompts = [shared + prompt_of(n, i) for i, n in enumerate((5, 30))]
-    prompts += [prompt_of(n, 10 + i) for i, n in enumerate((3, 70, 1, 25))]
-    batch = [greedy_request(prompt, max_tokens=20) for prompt in prompts]
-    hits_before = core.block_manager.stats.hits
-    outputs = run_to_completion(core, batch)
-    assert core.block_manager.stats.hits - hits_before >= 2 * 32, "the shared prefix was hit"
-    assert core.scheduler.num_preemptions >= 1
+    outputs, batch = run_mixed_cached_preempted_batch(hf_model, tmp_path / model_type,
+                                                      kv_cache_dtype=codes)
     assert_equals_transformers_generate(outputs, batch, hf_model)

@@ -118,6 +118,27 @@ struct Task {
   bool tiles;  // AMX may be used, where the CPU has it
 };
 
+// The blocks a task walks: from the one holding `first` (positions count from its start;
+// those before head_start are outside the window) to its context's end.
+struct Walk {
+  int64_t skipped, len, head_start, num_blocks;
+
+  explicit Walk(const Task& a)
+      : skipped(a.first / a.block_size * a.block_size),
+        len(a.seq_len - skipped),
+        head_start(a.first - skipped),
+        num_blocks((len + a.block_size - 1) / a.block_size) {}
+};
+
+// The task head's `group` query rows times the scale, as fp32 rows `stride` floats apart.
+template <typename T>
+inline void scaled_query(const T* q, const Task& a, int64_t group, int64_t dim, float* query,
+                         int64_t stride) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d)
+      query[g * stride + d] = to_float(q[(a.head * group + g) * dim + d]) * a.scale;
+}
+
 inline float capped(float s, float softcap) {
   return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
 }
@@ -159,15 +180,10 @@ void decode_one_head(const T* q, const C* k_cache, const C* v_cache, const int64
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
   const int64_t bs = a.block_size, group = a.group;
   const int64_t block_elems = bs * row_width<C>(dim);
-  // The walk covers the blocks from the one holding `first`; positions count from its start.
-  const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
-  const int64_t head_start = a.first - skipped;  // positions before it are outside the window
-  const int64_t num_blocks = (len + bs - 1) / bs;
+  const auto [skipped, len, head_start, num_blocks] = Walk(a);
   table += skipped / bs;
   alignas(64) float query[kMaxGroup][kMaxDim];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d)
-      query[g][d] = to_float(q[(a.head * group + g) * dim + d]) * a.scale;
+  scaled_query(q, a, group, dim, query[0], kMaxDim);
   scores.resize(group * len);
   tile.resize(bs * dim);
   float* kf = tile.data();
@@ -316,13 +332,10 @@ void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int6
   constexpr int kVecs = kCoded<C> ? (kGroup <= 2 ? 4 : kGroup <= 6 ? 2 : 1)
                                   : (kGroup == 1 ? 8 : kGroup <= 3 ? 4 : kGroup <= 7 ? 2 : 1);
   const int64_t bs = a.block_size, block_elems = bs * kWidth;
-  const int64_t skipped = a.first / bs * bs, len = a.seq_len - skipped;
-  const int64_t head_start = a.first - skipped, num_blocks = (len + bs - 1) / bs;
+  const auto [skipped, len, head_start, num_blocks] = Walk(a);
   table += skipped / bs;
   alignas(32) float query[kGroup][kDim];
-  for (int64_t g = 0; g < kGroup; ++g)
-    for (int64_t d = 0; d < kDim; ++d)
-      query[g][d] = to_float(q[(a.head * kGroup + g) * kDim + d]) * a.scale;
+  scaled_query(q, a, kGroup, kDim, query[0], kDim);
   scores.resize(kGroup * len);
   auto block_ptr = [&](const C* cache, int64_t b) {
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
