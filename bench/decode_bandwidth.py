@@ -8,7 +8,8 @@ allocates its cache (on 2 MiB pages; `--plain-pages`: 4 KiB); each repeat runs t
 over every layer once, as a step does, so the figures are not a cache-warm single layer. The
 kernel's GB/s counts the K and V bytes its rows read; the streaming read is `sum()` over
 tensors of the same total bytes on the same threads, its GB/s the reference. `int8` and
-`int8-bf16` are 8-bit caches (engine.attention.quantized_kv) read with fp32 or bf16 queries.
+`int8-bf16` are 8-bit caches (engine.attention.quantized_kv) read with fp32 or bf16 queries,
+`fp8` and `fp8_e5m2` fp8 ones (e4m3, e5m2) read with fp32 queries.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from engine.platform.huge_pages import zeros_on_huge_pages
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 # cache name -> (query dtype, cache dtype)
 DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
-          "int8": (torch.float32, torch.int8), "int8-bf16": (torch.bfloat16, torch.int8)}
+          "int8": (torch.float32, torch.int8), "int8-bf16": (torch.bfloat16, torch.int8),
+          "fp8": (torch.float32, torch.float8_e4m3fn),
+          "fp8_e5m2": (torch.float32, torch.float8_e5m2)}
 CPU = torch.device("cpu")
 
 

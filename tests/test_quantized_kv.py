@@ -8,6 +8,7 @@ import torch
 
 from common.config import EngineConfig
 from engine.attention.cpu_backend import CpuBackend
+from engine.attention.metadata import DecodeBatch
 from engine.attention.quantized_kv import (
     SCALE_BYTES,
     cache_dtype,
@@ -25,9 +26,9 @@ from engine.kernels import paged_decode
 from tests.test_attention import CASES, Case, Inputs, make_inputs, one_thread  # noqa: F401
 
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# The C++ kernel reads int8 codes; the torch path every kind. The torch path's decodes run
-# as explicit matmuls or SDPA.
-IMPLS = [("cpp", "int8"), *((impl, codes) for impl in ("matmul", "sdpa") for codes in CODES)]
+# The C++ kernel and the torch path read every kind; the torch path's decodes run as
+# explicit matmuls or SDPA.
+IMPLS = [(impl, codes) for impl in ("cpp", "matmul", "sdpa") for codes in CODES]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
@@ -90,6 +91,32 @@ def test_windows_soft_caps_and_drafted_rows_over_an_int8_cache(
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256], ids=["vector", "scalar"])
+@pytest.mark.parametrize("codes", list(CODES))
+def test_the_kernel_reads_every_code_as_torch_converts_it(codes: str, head_dim: int) -> None:
+    """One-token requests whose value rows hold all 256 codes (less fp8's NaN and infinities):
+    each output is its value row exactly, so the kernel's own widening of codes shows."""
+    assert paged_decode.load_cpp_decode() is not None, "the C++ decode kernel did not build"
+    dtype = CODES[codes]
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    every = every[every.view(dtype).float().isfinite()]
+    requests = -(-len(every) // head_dim)
+    codes_per_row = torch.zeros(requests * head_dim, dtype=torch.uint8)
+    codes_per_row[:len(every)] = every
+    v_cache = torch.zeros(requests, 1, 16, head_dim + SCALE_BYTES, dtype=torch.uint8)
+    v_cache[:, 0, 0, :head_dim] = codes_per_row.view(requests, head_dim)
+    v_cache[:, 0, 0, head_dim:] = torch.tensor([0.5]).view(torch.uint8)  # every scale 0.5
+    v_cache = v_cache.view(dtype)
+    batch = DecodeBatch(rows=list(range(requests)), seq_lens=[1] * requests,
+                        row_index=torch.arange(requests), lens=torch.ones(requests).long(),
+                        block_tables=torch.arange(requests).view(requests, 1),
+                        max_block=requests - 1)
+    out = torch.empty(requests, 1, head_dim)
+    paged_decode.run_paged_decode(torch.randn(requests, 1, head_dim), v_cache.clone(), v_cache,
+                                  batch, head_dim**-0.5, out)
+    assert torch.equal(out.flatten(), codes_per_row.view(dtype).float() * 0.5)
+
+
 @pytest.mark.parametrize("codes", list(CODES))
 def test_a_row_comes_back_within_half_a_step_of_its_codes(codes: str) -> None:
     dtype = CODES[codes]
@@ -134,8 +161,11 @@ def test_the_backend_for_an_8bit_cache() -> None:
     int8 = select_attention_backend(cpu, torch.bfloat16, 9, 3, 64, 16, cache_dtype=torch.int8)
     assert isinstance(int8, CpuBackend) and not int8.tiled_prefill  # AMX tiles take bf16 only
     fp8 = select_attention_backend(cpu, torch.float32, 9, 3, 64, 16,
-                                   cache_dtype=torch.float8_e4m3fn)
-    assert type(fp8) is TorchBackend
+                                   cache_dtype=torch.float8_e5m2)
+    assert isinstance(fp8, CpuBackend)
+    cuda_like = select_attention_backend(torch.device("meta"), torch.float32, 9, 3, 64, 16,
+                                         cache_dtype=torch.int8)
+    assert type(cuda_like) is TorchBackend
 
 
 def test_an_unknown_kv_cache_dtype_is_refused() -> None:

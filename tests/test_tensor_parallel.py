@@ -62,12 +62,12 @@ def test_step_inputs_travel_as_one_tensor() -> None:
     assert back.block_tables == [[[2, 0], [1, 4]], [[3, 0], [5, 6]]]
 
 
-def step_logits(model_dir: str, tensor_parallel_size: int,
-                prompts: list[list[int]]) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+def step_logits(model_dir: str, tensor_parallel_size: int, prompts: list[list[int]],
+                **settings) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
     """Greedy outputs and every step's logits of a mixed batch (chunked prefill: 32 tokens a
     step) on an engine of `tensor_parallel_size` ranks."""
     core = make_core(model_dir, tensor_parallel_size=tensor_parallel_size,
-                     max_num_batched_tokens=32)
+                     max_num_batched_tokens=32, **settings)
     seen: list[torch.Tensor] = []
     sample = core.sampler.sample
 
@@ -83,9 +83,9 @@ def step_logits(model_dir: str, tensor_parallel_size: int,
         core.shutdown()
 
 
-def assert_tp2_equals_tp1(model_dir: str, prompts: list[list[int]]) -> None:
-    single, single_logits = step_logits(model_dir, 1, prompts)
-    split, split_logits = step_logits(model_dir, 2, prompts)
+def assert_tp2_equals_tp1(model_dir: str, prompts: list[list[int]], **settings) -> None:
+    single, single_logits = step_logits(model_dir, 1, prompts, **settings)
+    split, split_logits = step_logits(model_dir, 2, prompts, **settings)
     assert len(split_logits) == len(single_logits) > 0
     for ours, reference in zip(split_logits, single_logits, strict=True):
         assert ours.shape == reference.shape
@@ -112,6 +112,14 @@ def test_tp2_logits_equal_tp1_on_the_tiny_model(model_type: str, shape: dict,
     model_dir = build_tiny_llama_dir(tmp_path, model_type, **shape)
     prompts = [[(11 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17])]
     assert_tp2_equals_tp1(model_dir, prompts)
+
+
+def test_tp2_with_an_int8_kv_cache_equals_tp1(tmp_path: Path) -> None:
+    """Each rank quantizes its own KV heads' rows (2 + 1 here) as one rank does them all."""
+    model_dir = build_tiny_llama_dir(tmp_path, "llama", num_attention_heads=6,
+                                     num_key_value_heads=3, hidden_size=96)
+    prompts = [[(11 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17])]
+    assert_tp2_equals_tp1(model_dir, prompts, kv_cache_dtype="int8")
 
 
 def test_tp2_logits_equal_tp1_on_smollm2() -> None:

@@ -16,6 +16,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels.elementwise import rows_of_contiguous_heads
 from engine.kernels.paged_decode import (
+    CODE_KINDS,
     CPP_MAX_DIM,
     CPP_MAX_GROUP,
     load_cpp_decode,
@@ -41,11 +42,11 @@ class CpuBackend(TorchBackend):
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int, cache_dtype: torch.dtype | None = None) -> bool:
-        """fp32 or bf16 on the CPU, caches of that dtype or int8 codes, query groups and head
+        """fp32 or bf16 on the CPU, caches of that dtype or 8-bit codes, query groups and head
         size the kernel's registers hold, and a kernel that builds here."""
         cache_dtype = cache_dtype or dtype
         return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                and cache_dtype in (dtype, torch.int8)
+                and (cache_dtype == dtype or cache_dtype in CODE_KINDS)
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= CPP_MAX_GROUP
                 and head_dim <= CPP_MAX_DIM and load_cpp_decode() is not None)
 

@@ -2,8 +2,7 @@
 
 CUDA with triton installed (and power-of-two head dim and block size): Triton. A CPU where
 our C++ kernel builds and fits the heads: the C++ backend (with the AMX prefill kernel for
-bf16 caches where the CPU has tiles; int8 caches too). Anything else, and fp8 caches: torch
-ops.
+bf16 caches where the CPU has tiles; 8-bit caches too). Anything else: torch ops.
 `LOOM_TRITON_ATTENTION=0` and `LOOM_CPP_DECODE=0` rule a kernel out (to compare, or to work
 around one).
 """
@@ -36,7 +35,7 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype, num_heads
         if not cpp:
             raise ValueError(
                 f"--batch-invariant needs Loom's C++ attention kernel: a CPU, float32 or "
-                f"bfloat16 (an auto or int8 KV cache), head_dim <= 256 and <= 16 query heads "
+                f"bfloat16, head_dim <= 256 and <= 16 query heads "
                 f"per KV head (here: "
                 f"{device.type}, {dtype}, head_dim {head_dim}, {num_heads} / {num_kv_heads} "
                 f"heads){'' if device.type == 'cpu' else '; the GPU path offers no such mode'}")

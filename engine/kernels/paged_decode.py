@@ -3,10 +3,11 @@ query token per request attends over its blocks in place (no gather), or a run o
 request's rows at consecutive positions (a decode and its drafts) over its blocks read once,
 with an fp32 softmax (bf16 caches on a CPU with AMX: scores and weighted values as tile
 products; `LOOM_CPU_AMX=0` keeps them in vector registers); and the step's KV write, one call
-copying each new token's heads into their cache rows. Int8 caches
-(engine.attention.quantized_kv) are read as codes and scales, and written quantized, by the
-same calls. Built once by `engine.kernels.build` and loaded through ctypes; when it cannot be
-built, attention falls back to its torch path.
+copying each new token's heads into their cache rows. 8-bit caches
+(engine.attention.quantized_kv) are read as codes and scales (fp8 codes widened through
+fp16), and int8 ones written quantized, by the same calls.
+Built once by `engine.kernels.build` and loaded through ctypes; when it cannot be built,
+attention falls back to its torch path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from engine.attention.metadata import DecodeBatch
 
 CPP_MAX_GROUP, CPP_MAX_DIM = 16, 256
+# The kernel's `codes` argument per 8-bit cache dtype.
+CODE_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 def run_paged_decode(
@@ -33,7 +36,7 @@ def run_paged_decode(
     scaled scores soft-capped at `softcap` where given."""
     kernel = load_cpp_decode()
     assert kernel is not None
-    codes = k_cache.dtype == v_cache.dtype == torch.int8
+    codes = CODE_KINDS.get(k_cache.dtype, 0) if k_cache.dtype == v_cache.dtype else 0
     if not (codes or q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"paged decode of {q.dtype} queries over {k_cache.dtype} caches")
     if batch.max_block >= k_cache.shape[0]:  # the kernel reads blocks without bounds checks
@@ -43,7 +46,7 @@ def run_paged_decode(
     tables = batch.block_tables
     runs = None if batch.runs is None else batch.runs.data_ptr()
     status = kernel(
-        int(q.dtype == torch.bfloat16), int(codes), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+        int(q.dtype == torch.bfloat16), codes, q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
         batch.row_index.data_ptr(), batch.size, runs, batch.num_runs, q.shape[1],
         k_cache.shape[1], k_cache.shape[2], q.shape[2], scale, window or 0, softcap or 0.0,

@@ -143,11 +143,35 @@ inline float capped(float s, float softcap) {
   return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
 }
 
-// A cache row: head_dim values of the model's dtype, or head_dim int8 codes and their fp32
-// scale (value = code * scale).
+// A cache row: head_dim values of the model's dtype, or head_dim 8-bit codes and their fp32
+// scale (value = code's value * scale): int8 codes, or fp8 ones (e4m3fn, e5m2; the quantizer
+// never writes their NaN or infinity codes).
 constexpr int64_t kScaleBytes = 4;
+enum class E4m3 : uint8_t {};
+enum class E5m2 : uint8_t {};
 template <typename C>
-constexpr bool kCoded = std::is_same_v<C, int8_t>;
+constexpr bool kCoded =
+    std::is_same_v<C, int8_t> || std::is_same_v<C, E4m3> || std::is_same_v<C, E5m2>;
+
+// An fp8 code's value: sign, exponent and mantissa fields, subnormals where the exponent is 0.
+template <int kExponentBits>
+inline float fp8_value(uint8_t code) {
+  constexpr int kMantissaBits = 7 - kExponentBits, kBias = (1 << (kExponentBits - 1)) - 1;
+  const uint32_t exponent = (code >> kMantissaBits) & ((1 << kExponentBits) - 1);
+  const uint32_t mantissa = code & ((1 << kMantissaBits) - 1);
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = float(mantissa) / float(1 << (kBias + kMantissaBits - 1));
+  } else {
+    const uint32_t bits = (exponent + 127 - kBias) << 23 | mantissa << (23 - kMantissaBits);
+    std::memcpy(&magnitude, &bits, sizeof magnitude);
+  }
+  return code & 0x80 ? -magnitude : magnitude;
+}
+
+inline float code_value(int8_t code) { return float(code); }
+inline float code_value(E4m3 code) { return fp8_value<4>(uint8_t(code)); }
+inline float code_value(E5m2 code) { return fp8_value<5>(uint8_t(code)); }
 
 template <typename C>
 constexpr int64_t row_width(int64_t dim) {
@@ -159,11 +183,11 @@ template <typename C>
 inline void rows_to_float(const C* rows, int64_t count, int64_t dim, float* out) {
   if constexpr (kCoded<C>) {
     for (int64_t t = 0; t < count; ++t) {
-      const int8_t* row = rows + t * (dim + kScaleBytes);
+      const C* row = rows + t * (dim + kScaleBytes);
       float scale;
       std::memcpy(&scale, row + dim, sizeof scale);
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) out[t * dim + d] = float(row[d]) * scale;
+      for (int64_t d = 0; d < dim; ++d) out[t * dim + d] = code_value(row[d]) * scale;
     }
   } else {
     for (int64_t i = 0; i < count * dim; ++i) out[i] = to_float(rows[i]);
@@ -272,8 +296,8 @@ void decode_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* t
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// AVX2, head_dim and the group fixed at compile time, over rows of fp32, bf16 or int8 codes
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2, head_dim and the group fixed at compile time, over rows of fp32, bf16 or 8-bit codes
 // (their scale applied to each token's sums). Scores come four tokens at a time: each
 // token's products with a query head as one vector of partial sums, four folded into the
 // four scores with horizontal adds. Values are added kVecs vectors of dims at a time, every
@@ -283,9 +307,23 @@ inline __m256 load8(const uint16_t* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+// fp8 codes widened to the fp16 with the same sign, exponent and mantissa bits: exact for
+// e5m2 (fp16's top byte); e4m3's smaller exponent bias leaves its fp16 kShortBy times too
+// small, which row_scale makes up (a power of two: the products round as the values' would).
+template <typename C>
+constexpr float kShortBy = std::is_same_v<C, E4m3> ? 256.f : 1.f;
+inline __m128i load8_bytes(const void* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
 inline __m256 load8(const int8_t* p) {
-  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8_bytes(p)));
+}
+inline __m256 load8(const E5m2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load8_bytes(p)), 8));
+}
+inline __m256 load8(const E4m3* p) {  // sign-extended, so the fp16's bit 14 is cleared
+  const __m128i shifted = _mm_slli_epi16(_mm_cvtepi8_epi16(load8_bytes(p)), 7);
+  return _mm256_cvtph_ps(_mm_and_si128(shifted, _mm_set1_epi16(int16_t(0xbfff))));
 }
 
 template <typename C>
@@ -293,7 +331,7 @@ inline float row_scale(const C* row, int64_t dim) {
   if constexpr (kCoded<C>) {
     float scale;
     std::memcpy(&scale, row + dim, sizeof scale);
-    return scale;
+    return scale * kShortBy<C>;
   } else {
     (void)row, (void)dim;
     return 1.f;
@@ -921,7 +959,7 @@ R for_group(int64_t group, R none, Pick pick) {
 
 template <typename T, typename C, int kDim>
 DecodeOne<T, C> simd_for_group(int64_t group) {
-#if defined(__AVX2__) && defined(__FMA__)  // int8 rows, and every row without AVX-512
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // 8-bit rows, and every row without AVX-512
 #if defined(__AVX512F__)
   if constexpr (kCoded<C>)
 #endif
@@ -987,7 +1025,8 @@ void decode(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,
             const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
             const int64_t* rows, int64_t n, const int64_t* runs, int64_t num_runs,
             int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t dim,
-            float scale, int64_t window, float softcap, bool tiles, T* out, int threads) {
+            float scale, int64_t window, float softcap, bool tiles,
+            T* out, int threads) {
   const int64_t group = num_heads / num_kv_heads;
   const DecodeOne<T, C> one = pick_decode_one<T, C>(dim, group, block_size);
   const DecodeRun<T, C> run_kernel = pick_decode_run<T, C>(dim, group, block_size, window);
@@ -1079,7 +1118,8 @@ extern "C" void loom_write_kv(const char* k, int64_t k_stride, const char* v, in
     }
 }
 
-// codes: the caches hold int8 codes and scales (else values of q's dtype).
+// codes: the caches hold 8-bit codes and scales, int8 (1), fp8 e4m3fn (2) or e5m2 (3);
+// 0: values of q's dtype.
 extern "C" int loom_paged_decode(int is_bf16, int codes, const void* q, int64_t q_stride,
                                  const void* k_cache, const void* v_cache, const int64_t* tables,
                                  int64_t table_stride, const int64_t* seq_lens,
@@ -1104,14 +1144,19 @@ extern "C" int loom_paged_decode(int is_bf16, int codes, const void* q, int64_t 
            num_runs, num_heads, num_kv_heads, block_size, dim, scale, window, softcap,
            tiles != 0, typed_out, threads);
   };
-  const int8_t* coded = nullptr;
-  if (is_bf16 && codes)
-    run(static_cast<uint16_t*>(out), coded);
-  else if (is_bf16)
-    run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(nullptr));
-  else if (codes)
-    run(static_cast<float*>(out), coded);
+  auto for_caches = [&](auto* typed_out, auto* plain) {
+    if (codes == 1)
+      run(typed_out, static_cast<const int8_t*>(nullptr));
+    else if (codes == 2)
+      run(typed_out, static_cast<const E4m3*>(nullptr));
+    else if (codes == 3)
+      run(typed_out, static_cast<const E5m2*>(nullptr));
+    else
+      run(typed_out, plain);
+  };
+  if (is_bf16)
+    for_caches(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(nullptr));
   else
-    run(static_cast<float*>(out), static_cast<const float*>(nullptr));
+    for_caches(static_cast<float*>(out), static_cast<const float*>(nullptr));
   return 0;
 }
