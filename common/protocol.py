@@ -18,7 +18,7 @@ import msgpack
 
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
 MAX_TENANT_NAME_CHARS = 256
@@ -32,6 +32,7 @@ class Kind(IntEnum):
     ADD = 1
     ABORT = 2
     SHUTDOWN = 3
+    KV_BLOCKS = 4  # either way: a prefill engine's KV, relayed to a decode engine
     READY = 10
     OUTPUTS = 11
     ERROR = 12
@@ -72,6 +73,11 @@ class AddRequest:
     tenant: str = ""  # who sent it (frontend.tenants); "" : the one tenant without --tenants
     tenant_weight: float = 1.0  # the tenant's share of the engine, relative to the others'
     timeout_s: float | None = None  # seconds from reaching the engine to its deadline
+    # Prefill/decode disaggregation (frontend.disaggregation). A prefill leg sends its prompt
+    # blocks' KV out as KV_BLOCKS frames (`export_kv`); a decode leg continues after the
+    # tokens its prefill leg generated (`output_token_ids`), their KV relayed beforehand.
+    output_token_ids: list[int] = field(default_factory=list)
+    export_kv: bool = False
 
     def fields(self) -> list[Any]:
         return [
@@ -83,11 +89,14 @@ class AddRequest:
             self.tenant,
             self.tenant_weight,
             self.timeout_s,
+            pack_token_ids(self.output_token_ids),
+            self.export_kv,
         ]
 
     @classmethod
     def from_fields(cls, request_id, prompt, sampling, arrival_time, priority, tenant,
-                    tenant_weight, timeout_s) -> AddRequest:
+                    tenant_weight, timeout_s, output_token_ids=b"",
+                    export_kv=False) -> AddRequest:
         _expect(request_id, str, "request_id")
         _expect(arrival_time, float | int, "arrival_time")
         _expect(priority, int, "priority")
@@ -105,9 +114,11 @@ class AddRequest:
             params = SamplingParams.from_wire(sampling)
         except (TypeError, ValueError) as exc:
             raise FrameError(f"bad sampling params: {exc}") from exc
+        _expect(export_kv, bool, "export_kv")
         return cls(request_id, unpack_token_ids(prompt), params, float(arrival_time), priority,
                    tenant, float(tenant_weight),
-                   None if timeout_s is None else float(timeout_s))
+                   None if timeout_s is None else float(timeout_s),
+                   unpack_token_ids(output_token_ids), export_kv)
 
 
 @dataclass(slots=True)
@@ -233,6 +244,8 @@ class StepStats:
     kv_offload_written_bytes_total: int = 0
     kv_offload_read_seconds_total: float = 0.0
     kv_offload_write_seconds_total: float = 0.0
+    # Prompt tokens whose KV a prefill engine handed over (engine.kv_transfer)
+    prefix_cache_transfer_hits_total: int = 0
     # Speculative decoding (engine.speculative): verifications with drafts, draft tokens,
     # accepted ones, and accepted ones by draft position.
     spec_decode_num_drafts_total: int = 0
@@ -291,7 +304,32 @@ class RequestError:
         return cls(request_id, reason, code)
 
 
-Message = AddRequest | AbortRequests | Shutdown | Ready | StepOutputs | RequestError
+@dataclass(slots=True)
+class KVBlocks:
+    """Whole KV blocks of one request's prompt, the header of a two-part ZeroMQ message
+    whose second part is their payload: each block's K and V in every layer, in block order
+    (engine.kv_transfer). `layout` names what a payload means (model, dtype, shapes): a
+    receiver with another layout drops the frame. The payload part travels as is, so the
+    frontend relays it without a copy."""
+
+    request_id: str
+    layout: str
+    block_hashes: list[bytes]
+
+    def fields(self) -> list[Any]:
+        return [self.request_id, self.layout, self.block_hashes]
+
+    @classmethod
+    def from_fields(cls, request_id, layout, block_hashes) -> KVBlocks:
+        _expect(request_id, str, "request_id")
+        _expect(layout, str, "layout")
+        _expect(block_hashes, list, "block_hashes")
+        for block_hash in block_hashes:
+            _expect(block_hash, bytes, "block_hash")
+        return cls(request_id, layout, block_hashes)
+
+
+Message = AddRequest | AbortRequests | Shutdown | Ready | StepOutputs | RequestError | KVBlocks
 
 _KIND_OF: dict[type, Kind] = {
     AddRequest: Kind.ADD,
@@ -300,6 +338,7 @@ _KIND_OF: dict[type, Kind] = {
     Ready: Kind.READY,
     StepOutputs: Kind.OUTPUTS,
     RequestError: Kind.ERROR,
+    KVBlocks: Kind.KV_BLOCKS,
 }
 _TYPE_OF: dict[int, type] = {kind.value: cls for cls, kind in _KIND_OF.items()}
 

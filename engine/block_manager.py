@@ -16,7 +16,7 @@ chain is evicted before its parents. Allocation and a cache hit are O(1) per blo
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,21 +53,34 @@ class CachedPrefix:
 
 
 class BlockTier(Protocol):
-    """A lower tier of the prefix cache (engine.kv_offload): cached blocks are saved to it,
-    and a lookup promotes the blocks it holds back into free blocks of the pool."""
+    """A lower tier of the prefix cache (engine.kv_offload, engine.kv_transfer): cached
+    blocks are saved to it, and a lookup promotes the blocks it holds back into free blocks
+    of the pool."""
 
     def save(self, block_id: int, block_hash: bytes) -> None: ...
 
     def has(self, block_hash: bytes) -> bool: ...
 
-    def load(self, block_id: int, block_hash: bytes) -> bool: ...
+    def load(self, block_id: int, block_hash: bytes) -> str | None:
+        """Writes the block into `block_id`; returns the name of the tier that held it
+        ("disk", "transfer"), or None when none had a whole copy (nothing written)."""
+        ...
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
     hits: int = 0  # of which found in the cache
-    disk_hits: int = 0  # tokens the disk tier supplied (promoted into the pool first)
+    # of which lower tiers supplied, by tier (promoted into the pool first)
+    tier_hits: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def disk_hits(self) -> int:
+        return self.tier_hits["disk"]
+
+    @property
+    def transfer_hits(self) -> int:
+        return self.tier_hits["transfer"]
 
 
 @dataclass(slots=True)
@@ -156,14 +169,15 @@ class BlockManager:
                 break
             block = self._pop_free_block(spare)
             self.free_queue[spare] = None  # free still, and the most recently used
-            if not self.tier.load(spare, hashes[count]):
+            source = self.tier.load(spare, hashes[count])
+            if source is None:
                 self.free_queue.move_to_end(spare, last=False)
                 break
             block.block_hash, block.parent_hash, block.group = hashes[count], parent, 0
             start = count * self.block_size
             block.token_ids = tuple(request.token_ids[start:start + self.block_size])
             self.cached[0][block.block_hash] = spare
-            self.stats.disk_hits += self.block_size
+            self.stats.tier_hits[source] += self.block_size
             hit.add(spare)
             parent = hashes[count]
             count += 1

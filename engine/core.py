@@ -17,6 +17,7 @@ import torch
 from common.config import DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
 from common.protocol import (
     AddRequest,
+    KVBlocks,
     Ready,
     RequestError,
     RequestOutput,
@@ -36,7 +37,8 @@ from engine.distributed.tensor_parallel import (
 from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder, default_recorder
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.kv_cache_groups import KVCacheLayout
-from engine.kv_offload.tier import attach_disk_tier
+from engine.kv_offload.tier import attach_disk_tier, tier_key
+from engine.kv_transfer import BlockCopier, KVExporter, ReceivedKV
 from engine.platform.cpu import choose_dtype
 from engine.platform.machine import Machine, rss_text, take_machine_defaults
 from engine.pooling.pooler import Pooler, PoolSpan
@@ -109,6 +111,7 @@ class EngineCore:
         self.runner = self._make_runner(num_blocks, self.recorder)
         self.disk_tier = attach_disk_tier(config, self.block_manager, self.runner.kv_caches,
                                           self.dtype)
+        self.kv_exporter, self.received_kv = self._kv_transfer()
         logger.info("%s", self.runner.kernels.describe())  # once: not for the graph probe
         self.sampler = Sampler(self.device, config.seed)
         if self.draft_model is not None:
@@ -158,6 +161,27 @@ class EngineCore:
         init_group(0, size, config.master_addr, port, self.device)
         logger.info("tensor parallel: %d ranks (%s)", size, dist_backend())
         return workers
+
+    def _kv_transfer(self) -> tuple[KVExporter | None, ReceivedKV | None]:
+        """Both sides of handing a prompt's KV to another engine (engine.kv_transfer),
+        where this engine's blocks can travel whole: one KV cache group, one
+        tensor-parallel rank, prefix caching on. Elsewhere a decode leg recomputes."""
+        config, manager = self.config, self.block_manager
+        why_not = ("prefix caching is off" if not manager.enable_prefix_caching else
+                   "sliding-window layers drop blocks behind their window"
+                   if len(manager.groups) > 1 or manager.groups[0].window is not None else
+                   "tensor-parallel ranks each hold a share of the heads"
+                   if config.tensor_parallel_size > 1 else
+                   "a draft model's KV does not travel" if self.draft_model is not None
+                   else None)
+        if why_not is not None:
+            logger.info("KV transfer (prefill/decode roles) off: %s", why_not)
+            return None, None
+        copier = BlockCopier(self.runner.kv_caches)
+        layout = tier_key(config.model, self.dtype, config.block_size, self.runner.kv_caches)
+        received = ReceivedKV(copier, layout, manager, below=manager.tier)
+        manager.tier = received
+        return KVExporter(copier, layout, manager), received
 
     def check_ranks(self) -> None:
         """Raises RankDied when a tensor-parallel rank has exited."""
@@ -234,8 +258,16 @@ class EngineCore:
                           message.tenant_weight, message.timeout_s)
         if request.request_id in self.grammar_waitlist:
             raise RequestRefused(f"request id {request.request_id!r} is already in use")
+        if message.output_token_ids:
+            if request.sampling.grammars or request.sampling.pooling:
+                raise RequestRefused("a constrained or pooling request cannot continue from "
+                                     "tokens generated elsewhere")
+            for token_id in message.output_token_ids:
+                request.append_token(token_id)
         if not request.sampling.grammars:
             self.scheduler.add(request)
+            if message.export_kv and self.kv_exporter is not None:
+                self.kv_exporter.add(request)
             return
         self.scheduler.check_new(request)
         self.grammar_waitlist.add(request)
@@ -273,6 +305,23 @@ class EngineCore:
         self.grammar_waitlist.abort(request_ids)
         for request in self.scheduler.abort(request_ids):
             self._forget(request)
+        for request_id in request_ids:
+            if self.kv_exporter is not None:
+                self.kv_exporter.forget(request_id)
+            if self.received_kv is not None:  # also a decode leg that was never sent
+                self.received_kv.drop(request_id)
+
+    def receive_kv(self, message: KVBlocks, payload: memoryview) -> None:
+        """A prefill engine's blocks for a request about to be added here."""
+        if self.received_kv is None:
+            logger.warning("dropped KV blocks for %s: this engine takes none",
+                           message.request_id)
+        else:
+            self.received_kv.receive(message, payload)
+
+    def take_kv_blocks(self) -> list[tuple[KVBlocks, bytes]]:
+        """The prompt blocks exporting requests have cached since the last call."""
+        return [] if self.kv_exporter is None else self.kv_exporter.collect()
 
     @property
     def awaiting_grammar(self) -> dict[str, AwaitingGrammar]:
@@ -350,6 +399,8 @@ class EngineCore:
 
     def _forget(self, request: Request) -> None:
         self.pooler.forget(request.request_id)
+        if self.received_kv is not None:
+            self.received_kv.drop(request.request_id)
         if self.speculator is not None:
             self.speculator.finished(request)
 
@@ -389,6 +440,7 @@ class EngineCore:
             prefix_cache_hits_total=self.block_manager.stats.hits,
             kv_integrity_violations_total=self.block_manager.num_integrity_violations,
             prefix_cache_disk_hits_total=self.block_manager.stats.disk_hits,
+            prefix_cache_transfer_hits_total=self.block_manager.stats.transfer_hits,
             **({} if self.disk_tier is None else self.disk_tier.as_stats()),
             **({} if self.speculator is None else self.speculator.totals.as_stats()),
         )

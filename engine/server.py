@@ -13,6 +13,7 @@ from common.protocol import (
     AbortRequests,
     AddRequest,
     FrameError,
+    KVBlocks,
     Message,
     RequestError,
     Shutdown,
@@ -90,6 +91,8 @@ class EngineServer:
                     was_busy = True
                     step_outputs = self.core.step()
                     step_outputs.stats.bad_frames_total = self.num_bad_frames
+                    for header, payload in self.core.take_kv_blocks():  # before its token
+                        self.outputs.send_multipart([encode(header), payload], copy=False)
                     self.outputs.send(encode(step_outputs), copy=False)
                     self.stats_logger.observe(step_outputs.stats)
         finally:
@@ -141,11 +144,15 @@ class EngineServer:
     def _drain_requests(self) -> None:
         while self.running:
             try:
-                frame = self.requests.recv(zmq.NOBLOCK)
+                parts = self.requests.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frame = parts[0].bytes
             try:
                 message = decode(frame)
+                if (len(parts) == 2) != isinstance(message, KVBlocks) or len(parts) > 2:
+                    raise FrameError(f"a {type(message).__name__} message of {len(parts)} "
+                                     f"parts")
             except FrameError as exc:
                 self.num_bad_frames += 1
                 logger.warning("dropped a bad frame (%d so far): %s", self.num_bad_frames, exc)
@@ -154,7 +161,10 @@ class EngineServer:
                     self.outputs.send(encode(RequestError(
                         request_id, f"the engine could not read the request: {exc}")))
                 continue
-            self._handle(message)
+            if isinstance(message, KVBlocks):
+                self.core.receive_kv(message, parts[1].buffer)
+            else:
+                self._handle(message)
 
     def _handle(self, message: Message) -> None:
         if isinstance(message, AddRequest):

@@ -18,6 +18,7 @@ from common.config import EngineConfig
 from common.default_model import default_cache_dir
 from engine.block_manager import BlockManager
 from engine.kv_offload.disk_store import DiskKVStore
+from engine.kv_transfer import BlockCopier
 
 logger = logging.getLogger(__name__)
 
@@ -40,35 +41,22 @@ def tier_key(model: str, dtype: torch.dtype, block_size: int, caches: list[KVCac
 class DiskTier:
     def __init__(self, store: DiskKVStore, caches: list[KVCache]) -> None:
         self.store = store
-        self.caches = [cache for layer in caches for cache in layer]  # K, V of each layer
-        self.block_bytes = [cache[0].numel() * cache.element_size() for cache in self.caches]
+        self.copier = BlockCopier(caches)
 
     def save(self, block_id: int, block_hash: bytes) -> None:
         """Called on the step loop: no disk access here (the writer thread checks whether
         another engine wrote the block already)."""
-        if self.store.indexed(block_hash):
-            return
-        payload = b"".join(cache[block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
-                           for cache in self.caches)
-        self.store.put(block_hash, payload)
+        if not self.store.indexed(block_hash):
+            self.store.put(block_hash, self.copier.read(block_id))
 
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self.store
 
-    def load(self, block_id: int, block_hash: bytes) -> bool:
-        """The block's K and V from disk into `block_id`; False (nothing written) if the
+    def load(self, block_id: int, block_hash: bytes) -> str | None:
+        """The block's K and V from disk into `block_id`; None (nothing written) if the
         store has no whole copy of it."""
         payload = self.store.get(block_hash)
-        if payload is None or len(payload) != sum(self.block_bytes):
-            return False
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        offset = 0
-        for cache, size in zip(self.caches, self.block_bytes, strict=True):
-            target = cache[block_id]
-            piece = data[offset:offset + size].view(cache.dtype).view(target.shape)
-            target.copy_(piece)
-            offset += size
-        return True
+        return "disk" if payload is not None and self.copier.write(block_id, payload) else None
 
     def close(self) -> None:
         self.store.flush()
