@@ -29,7 +29,13 @@ from common.curve import SECRET_ENV, SecretMissing, load_secret
 from common.processes import core_slice, die_with_parent, env_for_cores
 from common.protocol import FrameError, Ready, decode
 from common.sockets import Endpoints
-from frontend.cli import API_KEY_ENV, add_frontend_args, check_tenant_args, positive_int
+from frontend.cli import (
+    API_KEY_ENV,
+    add_frontend_args,
+    check_kv_roles,
+    check_tenant_args,
+    positive_int,
+)
 
 STOP_TIMEOUT_S = 4.0
 ENGINE_READY_TIMEOUT_S = 600.0
@@ -94,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.node_rank > 0 and not args.headless:
         parser.error("--node-rank above 0 runs tensor-parallel ranks only: add --headless")
     check_tenant_args(parser, args)
+    check_kv_roles(parser, args, size)
     return args
 
 
@@ -242,6 +249,7 @@ class Launcher:
                    "--max-connections", str(self.args.max_connections),
                    "--tool-call-parser", self.args.tool_call_parser,
                    "--routing-policy", self.args.routing_policy,
+                   *(["--kv-roles", self.args.kv_roles] if self.args.kv_roles else []),
                    "--pooling-type", self.args.pooling_type,
                    *(["--tenants", os.path.abspath(self.args.tenants)]
                      if self.args.tenants else []),

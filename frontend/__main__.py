@@ -19,7 +19,7 @@ from prometheus_client import disable_created_metrics
 
 from common.protocol import FrameError, Ready
 from frontend.app import GUARD, create_app
-from frontend.cli import add_frontend_args, check_tenant_args
+from frontend.cli import add_frontend_args, check_kv_roles, check_tenant_args
 from frontend.connection_guard import GuardedSite
 from frontend.connection_limits import connection_cap, raise_descriptor_limit
 from frontend.raw_reply import LINGER_S
@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.engine_pid is not None and len(args.engine_pid) != len(args.requests_addr):
         parser.error("give --engine-pid once per engine, or not at all")
     check_tenant_args(parser, args)
+    check_kv_roles(parser, args, len(args.requests_addr))
     return args
 
 
@@ -171,6 +172,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
         routing_policy=args.routing_policy,
+        kv_roles=args.kv_role_list,
         pooling_type=args.pooling_type,
         tenants=args.tenant_table,
         admission_control=args.admission_control,

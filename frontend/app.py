@@ -86,7 +86,7 @@ async def _connect_engine(app: web.Application) -> None:
                for rank, address in enumerate(settings.engines)]
     block_size = settings.engine_info.block_size if settings.engine_info else 16
     state.engine = EnginePool(clients, Router(settings.routing_policy, block_size),
-                              state.metrics)
+                              state.metrics, settings.kv_roles)
     state.engine.start()
     app[ENGINE_SENTINELS] = [
         asyncio.create_task(watch_engine(address.pid, client.engine_exited_with),

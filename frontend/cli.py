@@ -14,6 +14,7 @@ from frontend.connection_limits import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_READ_TIMEOUT_S,
 )
+from frontend.disaggregation import parse_kv_roles
 from frontend.router import ROUTING_POLICIES
 from frontend.tenants import TenantsFileError, load_tenants
 
@@ -68,6 +69,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
                         help="how a request picks one of several engines: prefix affinity "
                              "within a load bound (cache_aware), least loaded, round robin")
+    parser.add_argument("--kv-roles", default=None, metavar="ROLE,ROLE,...",
+                        help="prefill/decode disaggregation: each engine's role, in rank "
+                             "order: prefill, decode or both (vLLM's kv_producer, kv_consumer, "
+                             "kv_both). A request's prompt runs on a prefill engine, which "
+                             "hands its KV to a decode engine that generates the rest")
     parser.add_argument("--pooling-type", default="last", choices=("last", "mean"),
                         type=str.lower,
                         help="how /v1/embeddings pools a prompt's final hidden states: the "
@@ -83,6 +89,17 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                              "X-Request-Timeout deadline the queue cannot meet, as estimated "
                              "from the engines' measured prompt rate")
     add_chat_args(parser)
+
+
+def check_kv_roles(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   num_engines: int) -> None:
+    """--kv-roles: one known role per engine; `args.kv_role_list` holds them (or None)."""
+    args.kv_role_list = None
+    if args.kv_roles is not None:
+        try:
+            args.kv_role_list = parse_kv_roles(args.kv_roles, num_engines)
+        except ValueError as exc:
+            parser.error(f"--kv-roles: {exc}")
 
 
 def check_tenant_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

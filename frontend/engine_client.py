@@ -27,6 +27,7 @@ from common.protocol import (
     AbortRequests,
     AddRequest,
     FinishReason,
+    KVBlocks,
     Ready,
     RequestError,
     RequestOutput,
@@ -111,6 +112,8 @@ class EngineClient:
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
         )
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
+        # Where a prefill leg's KV_BLOCKS go (frontend.disaggregation), by request id.
+        self.kv_sinks: dict[str, Callable[[list[zmq.Frame]], None]] = {}
         self._tasks: list[asyncio.Task] = []
         self.num_bad_frames = 0
         # A remote engine serves from its READY on.
@@ -211,7 +214,7 @@ class EngineClient:
             return
         logger.error("engine %d process exited: %s", self.rank, reason)
         self._process_gone()
-        self.metrics.engine_gone(self.rank)
+        self.metrics.engine_process_exited(self.rank)
         await self._fail_in_flight_after_grace(reason)
 
     def _process_gone(self) -> None:
@@ -222,7 +225,35 @@ class EngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
-            self.handle_frame(await self._outputs.recv())
+            parts = await self._outputs.recv_multipart(copy=False)
+            if len(parts) == 1:
+                self.handle_frame(parts[0].bytes)
+            else:
+                self.handle_kv_blocks(parts)
+
+    def handle_kv_blocks(self, parts: list[zmq.Frame]) -> None:
+        """A prefill leg's KV: relayed as is to its request's decode engine, or dropped
+        when the request has none any more."""
+        try:
+            message = protocol.decode(parts[0].bytes)
+            if not isinstance(message, KVBlocks) or len(parts) != 2:
+                raise protocol.FrameError(f"a {type(message).__name__} frame of "
+                                          f"{len(parts)} parts")
+        except protocol.FrameError as exc:
+            self._count_bad_frame()
+            logger.warning("dropped a bad KV frame from engine %d: %s", self.rank, exc)
+            return
+        sink = self.kv_sinks.get(message.request_id)
+        if sink is not None:
+            sink(parts)
+            self.metrics.kv_transfer_bytes.inc(len(parts[1]))
+
+    def relay_kv(self, parts: list[zmq.Frame]) -> None:
+        """Another engine's KV_BLOCKS for a request about to be added here."""
+        try:
+            self._requests.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the request recomputes what did not arrive
+            logger.warning("engine %d is not reading: KV blocks dropped", self.rank)
 
     def handle_frame(self, frame: bytes) -> None:
         """Decode one engine frame and route it; a frame that fails is counted and dropped."""

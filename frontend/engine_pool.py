@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.protocol import Ready
+from frontend.disaggregation import PrefillDecodeRoute
 from frontend.engine_client import EngineClient
 from frontend.metrics import LoomMetrics
 from frontend.request_stream import EngineDeadError
@@ -24,10 +25,13 @@ WAITING_WEIGHT = 4
 
 class EnginePool:
     def __init__(self, clients: list[EngineClient], router: Router,
-                 metrics: LoomMetrics) -> None:
+                 metrics: LoomMetrics, kv_roles: list[str] | None = None) -> None:
+        """`kv_roles`: each engine's role in prefill/decode disaggregation
+        (frontend.disaggregation); None: every engine serves whole requests."""
         self.clients = clients
         self.router = router
         self.metrics = metrics
+        self.kv_roles = kv_roles
         self._lives: dict[int, tuple[int, bool]] = {}  # rank: (restarts, dead) last seen
         for client in clients:
             client.peers_model = self.reported_info
@@ -63,17 +67,34 @@ class EnginePool:
             return None
         return client.num_in_flight + (WAITING_WEIGHT - 1) * client.num_waiting_estimate
 
-    def route(self, prompts: Sequence[Sequence[int]]) -> EngineClient:
-        """The engine for one API request. Raises EngineDeadError when none serves."""
+    def route(self, prompts: Sequence[Sequence[int]]) -> EngineClient | PrefillDecodeRoute:
+        """The engine for one API request, or its prefill and decode engines while both
+        kinds serve. Raises EngineDeadError when none serves."""
         self._notice_deaths()
         info = self.reported_info()
         if info is not None:  # engines all remote: the block size came with their READY
             self.router.block_size = info.block_size
+        loads = [self.load(client) for client in self.clients]
+        if self.kv_roles is not None:
+            prefill = self._choose(prompts, loads, "prefill")
+            decode = self._choose(prompts, loads, "decode")
+            if prefill is not None and decode is not None and prefill is not decode:
+                return PrefillDecodeRoute(prefill, decode)
         try:
-            rank = self.router.choose(prompts, [self.load(client) for client in self.clients])
+            rank = self.router.choose(prompts, loads)
         except LookupError:
             raise EngineDeadError("no engine is running") from None
         return self.clients[rank]
+
+    def _choose(self, prompts: Sequence[Sequence[int]], loads: list[float | None],
+                role: str) -> EngineClient | None:
+        """The engine for one leg among the live engines of that role (or both), if any."""
+        assert self.kv_roles is not None
+        eligible = [load if self.kv_roles[rank] in (role, "both") else None
+                    for rank, load in enumerate(loads)]
+        if all(load is None for load in eligible):
+            return None
+        return self.clients[self.router.choose(prompts, eligible)]
 
     def _notice_deaths(self) -> None:
         """A dead or restarted engine holds no cached prefix: the router forgets its own."""

@@ -52,6 +52,10 @@ class RunningTotal:
         # go back, so the new engine's counting continues from here.
         self._last[engine] = total
 
+    def restart(self, engine: int) -> None:
+        """The engine's process is gone: its successor counts from zero."""
+        self._last.pop(engine, None)
+
 
 class LoomMetrics:
     def __init__(self) -> None:
@@ -91,6 +95,12 @@ class LoomMetrics:
         self.prefix_cache_disk_hits = RunningTotal(counter(
             "prefix_cache_disk_hits_total", "Prompt tokens the prefix cache's disk tier "
             "supplied (also counted in prefix_cache_hits_total)."))
+        self.prefix_cache_transfer_hits = RunningTotal(counter(
+            "prefix_cache_transfer_hits_total", "Prompt tokens whose KV a prefill engine "
+            "handed to a decode engine (also counted in prefix_cache_hits_total)."))
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes_total", "Bytes of KV blocks relayed from prefill engines to "
+            "decode engines.")
         self.kv_offload = {name: RunningTotal(counter(name, help_text)) for name, help_text in (
             ("kv_offload_read_bytes_total", "Bytes of KV blocks read from the disk tier."),
             ("kv_offload_written_bytes_total", "Bytes of KV blocks written to the disk tier."),
@@ -185,6 +195,8 @@ class LoomMetrics:
         self.prefix_cache_queries.advance_to(stats.prefix_cache_queries_total, engine)
         self.prefix_cache_hits.advance_to(stats.prefix_cache_hits_total, engine)
         self.prefix_cache_disk_hits.advance_to(stats.prefix_cache_disk_hits_total, engine)
+        self.prefix_cache_transfer_hits.advance_to(stats.prefix_cache_transfer_hits_total,
+                                                   engine)
         for name, series in self.kv_offload.items():
             series.advance_to(getattr(stats, name), engine)
         self.kv_integrity_violations.advance_to(stats.kv_integrity_violations_total, engine)
@@ -211,6 +223,15 @@ class LoomMetrics:
                 series = self._spec_positions[position] = RunningTotal(
                     self._spec_accepted_by_position.labels(str(position)))
             series.advance_to(total, engine)
+
+    def engine_process_exited(self, engine: int) -> None:
+        """Also: whatever replaces it starts its totals from zero, and all of its first
+        report's counts are new."""
+        self.engine_gone(engine)
+        for value in vars(self).values():
+            for series in value.values() if isinstance(value, dict) else [value]:
+                if isinstance(series, RunningTotal):
+                    series.restart(engine)
 
     def engine_gone(self, engine: int) -> None:
         """A dead engine runs and queues nothing: the sums leave it out until it reports."""

@@ -42,6 +42,7 @@ class FrontendSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tool_call_parser: str = "hermes"  # how tool calls are read out of replies
     routing_policy: str = "cache_aware"  # frontend.router, with several engines
+    kv_roles: list[str] | None = None  # each engine's, for prefill/decode disaggregation
     pooling_type: str = "last"  # how /v1/embeddings pools a prompt's states (engine.pooling)
     tenants: TenantTable | None = None  # --tenants: keys, weights and limits (frontend.tenants)
     admission_control: bool = False  # refuse requests whose deadline the queue cannot meet

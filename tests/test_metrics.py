@@ -157,3 +157,17 @@ def test_the_disk_tier_counts_its_hits_bytes_and_seconds() -> None:
     assert values["loom:kv_offload_written_bytes_total"] == 8192
     assert values["loom:kv_offload_read_seconds_total"] == pytest.approx(1.0)
     assert values["loom:kv_offload_write_seconds_total"] == pytest.approx(0.25)
+
+
+def test_a_restarted_engines_first_report_counts_whole() -> None:
+    metrics = LoomMetrics()
+    metrics.observe_step(StepStats(prefix_cache_hits_total=336,
+                                   prefix_cache_transfer_hits_total=336), 1)
+    metrics.engine_process_exited(1)
+    # The new process's first report already holds more than one step's work.
+    metrics.observe_step(StepStats(prefix_cache_hits_total=288,
+                                   prefix_cache_transfer_hits_total=288), 1)
+    values = samples(metrics)
+    assert values["loom:prefix_cache_hits_total"] == 336 + 288
+    assert values["loom:prefix_cache_transfer_hits_total"] == 336 + 288
+    assert values['loom:engine_prefix_cache_hits_total{engine="1"}'] == 336 + 288
