@@ -74,10 +74,12 @@ class AddRequest:
     tenant_weight: float = 1.0  # the tenant's share of the engine, relative to the others'
     timeout_s: float | None = None  # seconds from reaching the engine to its deadline
     # Prefill/decode disaggregation (frontend.disaggregation). A prefill leg sends its prompt
-    # blocks' KV out as KV_BLOCKS frames (`export_kv`); a decode leg continues after the
-    # tokens its prefill leg generated (`output_token_ids`), their KV relayed beforehand.
+    # blocks' KV out as KV_BLOCKS frames (`export_kv`), all but the first `kv_skip_blocks`
+    # (its decode engine holds them); a decode leg continues after the tokens its prefill
+    # leg generated (`output_token_ids`), their KV relayed beforehand.
     output_token_ids: list[int] = field(default_factory=list)
     export_kv: bool = False
+    kv_skip_blocks: int = 0
 
     def fields(self) -> list[Any]:
         return [
@@ -91,12 +93,13 @@ class AddRequest:
             self.timeout_s,
             pack_token_ids(self.output_token_ids),
             self.export_kv,
+            self.kv_skip_blocks,
         ]
 
     @classmethod
     def from_fields(cls, request_id, prompt, sampling, arrival_time, priority, tenant,
-                    tenant_weight, timeout_s, output_token_ids=b"",
-                    export_kv=False) -> AddRequest:
+                    tenant_weight, timeout_s, output_token_ids=b"", export_kv=False,
+                    kv_skip_blocks=0) -> AddRequest:
         _expect(request_id, str, "request_id")
         _expect(arrival_time, float | int, "arrival_time")
         _expect(priority, int, "priority")
@@ -115,10 +118,13 @@ class AddRequest:
         except (TypeError, ValueError) as exc:
             raise FrameError(f"bad sampling params: {exc}") from exc
         _expect(export_kv, bool, "export_kv")
+        _expect(kv_skip_blocks, int, "kv_skip_blocks")
+        if kv_skip_blocks < 0:
+            raise FrameError(f"kv_skip_blocks must not be negative, not {kv_skip_blocks}")
         return cls(request_id, unpack_token_ids(prompt), params, float(arrival_time), priority,
                    tenant, float(tenant_weight),
                    None if timeout_s is None else float(timeout_s),
-                   unpack_token_ids(output_token_ids), export_kv)
+                   unpack_token_ids(output_token_ids), export_kv, kv_skip_blocks)
 
 
 @dataclass(slots=True)

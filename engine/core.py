@@ -267,7 +267,7 @@ class EngineCore:
         if not request.sampling.grammars:
             self.scheduler.add(request)
             if message.export_kv and self.kv_exporter is not None:
-                self.kv_exporter.add(request)
+                self.kv_exporter.add(request, message.kv_skip_blocks)
             return
         self.scheduler.check_new(request)
         self.grammar_waitlist.add(request)

@@ -45,9 +45,12 @@ class BlockCopier:
     def payload_bytes(self) -> int:
         return sum(self.block_bytes)
 
-    def read(self, block_id: int) -> bytes:
-        return b"".join(cache[block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes()
-                        for cache in self.caches)
+    def read(self, block_ids: list[int]) -> bytes:
+        """The blocks' payloads one after another (one gather per cache tensor)."""
+        index = torch.tensor(block_ids, device=self.caches[0].device)
+        rows = [cache.index_select(0, index).view(len(block_ids), -1).view(torch.uint8)
+                for cache in self.caches]
+        return torch.cat(rows, dim=1).cpu().numpy().tobytes()
 
     def write(self, block_id: int, payload: bytes | memoryview) -> bool:
         """False (nothing written) when the payload is not one block's size."""
@@ -70,9 +73,10 @@ class KVExporter:
     sent: dict[str, int] = field(default_factory=dict)  # request id -> blocks sent so far
     requests: dict[str, Request] = field(default_factory=dict)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, skip_blocks: int = 0) -> None:
+        """Exports the request's prompt blocks after the first `skip_blocks`."""
         self.requests[request.request_id] = request
-        self.sent[request.request_id] = 0
+        self.sent[request.request_id] = skip_blocks
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -105,7 +109,7 @@ class KVExporter:
         if not ready:
             return None
         self.sent[request.request_id] = first + len(ready)
-        payload = b"".join(self.copier.read(block_id) for _, block_id in ready)
+        payload = self.copier.read([block_id for _, block_id in ready])
         return KVBlocks(request.request_id, self.layout, [h for h, _ in ready]), payload
 
 

@@ -56,6 +56,10 @@ class PrefillDecodeRoute:
 
     prefill: EngineClient
     decode: EngineClient
+    # Per prompt: its leading blocks the decode engine was sent before (frontend.router's
+    # prefix index), which the prefill engine then does not send; a guess: a block the
+    # decode engine has evicted since is recomputed there.
+    decode_holds: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     @property
     def metrics(self) -> LoomMetrics:
@@ -85,8 +89,9 @@ class DisaggregatedStream:
         route.prefill.kv_sinks[request.request_id] = route.decode.relay_kv
         first_token_only = replace(request.sampling, max_tokens=1)
         try:
+            held = route.decode_holds.get(tuple(request.prompt_token_ids), 0)
             self._prefill = route.prefill.add(replace(request, sampling=first_token_only,
-                                                      export_kv=True))
+                                                      export_kv=True, kv_skip_blocks=held))
         except BaseException:
             del route.prefill.kv_sinks[request.request_id]
             raise

@@ -17,7 +17,7 @@ from frontend.disaggregation import PrefillDecodeRoute
 from frontend.engine_client import EngineClient
 from frontend.metrics import LoomMetrics
 from frontend.request_stream import EngineDeadError
-from frontend.router import Router
+from frontend.router import Router, prefix_hashes
 
 # vLLM's coordinator scores an engine as 4 x waiting + running.
 WAITING_WEIGHT = 4
@@ -76,10 +76,15 @@ class EnginePool:
             self.router.block_size = info.block_size
         loads = [self.load(client) for client in self.clients]
         if self.kv_roles is not None:
+            hashes = [prefix_hashes(prompt, self.router.block_size) for prompt in prompts]
+            held_before = [[self.router.prefixes.num_blocks_held(h, rank)
+                            for rank in range(len(self.clients))] for h in hashes]
             prefill = self._choose(prompts, loads, "prefill")
             decode = self._choose(prompts, loads, "decode")
             if prefill is not None and decode is not None and prefill is not decode:
-                return PrefillDecodeRoute(prefill, decode)
+                held = {tuple(prompt): blocks[decode.rank]
+                        for prompt, blocks in zip(prompts, held_before, strict=True)}
+                return PrefillDecodeRoute(prefill, decode, held)
         try:
             rank = self.router.choose(prompts, loads)
         except LookupError:

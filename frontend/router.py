@@ -57,6 +57,11 @@ class PrefixIndex:
                 return holders
         return 0
 
+    def num_blocks_held(self, hashes: list[int], engine: int) -> int:
+        """The leading blocks of a prompt (its `hashes`) that `engine` was sent."""
+        return next((index + 1 for index in range(len(hashes) - 1, -1, -1)
+                     if self.holders.get(hashes[index], 0) >> engine & 1), 0)
+
     def record(self, hashes: list[int], engine: int) -> None:
         bit = 1 << engine
         for prefix in hashes:

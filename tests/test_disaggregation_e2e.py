@@ -67,17 +67,21 @@ async def test_disaggregated_greedy_output_equals_one_engines(
     with disaggregated(tmp_path_factory) as server:
         assert await texts(server) == expected
         async with aiohttp.ClientSession() as http:
+            before = await wait_idle(http, server.base_url)
+            # Again: the decode engine holds its blocks, so none is sent.
             streamed = await stream_one(http, server.base_url + "/v1/completions",
                                         body(PROMPTS[4], 24, stream=True))
             samples = await wait_idle(http, server.base_url)
     assert streamed.completed and streamed.chunks >= 2
     generated = per_engine(samples, "engine_generation_tokens_total")
     assert generated == {"0": len(PROMPTS) + 1, "1": (len(PROMPTS) + 1) * 23}
-    whole_blocks = sum(len(prompt) // 16 * 16 for prompt in [*PROMPTS, PROMPTS[4]])
-    # The second request of PROMPTS[4] hits the decode engine's own cache instead.
-    handed = samples["loom:prefix_cache_transfer_hits_total"]
-    assert whole_blocks - len(PROMPTS[4]) // 16 * 16 <= handed <= whole_blocks
-    assert samples["loom:kv_transfer_bytes_total"] > 0
+    whole_blocks = sum(len(prompt) // 16 * 16 for prompt in PROMPTS)
+    assert before["loom:prefix_cache_transfer_hits_total"] == whole_blocks
+    assert before["loom:kv_transfer_bytes_total"] > 0
+    for name in ("prefix_cache_transfer_hits_total", "kv_transfer_bytes_total"):
+        assert samples[f"loom:{name}"] == before[f"loom:{name}"], name
+    hits = per_engine(samples, "engine_prefix_cache_hits_total")["1"]
+    assert hits - per_engine(before, "engine_prefix_cache_hits_total")["1"] == 96  # 100 tokens
     assert_no_leaks(samples)
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from common.protocol import AddRequest, KVBlocks
+from engine.block_manager import ROOT_HASH, hash_block
 from engine.core import EngineCore
 from tests.engine_helpers import (
     assert_equals_transformers_generate,
@@ -34,12 +35,20 @@ def prompt_of(length: int, salt: int = 0) -> list[int]:
     return [(7 * i + 13 * salt) % 180 + 5 for i in range(length)]
 
 
-def prefill_legs(core: EngineCore, requests: list[AddRequest],
+def chained_hashes(tokens: list[int]) -> list[bytes]:
+    hashes, parent = [], ROOT_HASH
+    for start in range(0, len(tokens) // BLOCK * BLOCK, BLOCK):
+        parent = hash_block(parent, tuple(tokens[start:start + BLOCK]))
+        hashes.append(parent)
+    return hashes
+
+
+def prefill_legs(core: EngineCore, requests: list[AddRequest], skip_blocks: int = 0,
                  ) -> tuple[dict[str, list[int]], list[tuple[KVBlocks, bytes]]]:
     """Each request's first token(s) from `core`, and the KV frames it sent, in order."""
     for request in requests:
         core.add_request(replace(request, sampling=replace(request.sampling, max_tokens=1),
-                                 export_kv=True))
+                                 export_kv=True, kv_skip_blocks=skip_blocks))
     first: dict[str, list[int]] = {request.request_id: [] for request in requests}
     frames = []
     while core.has_work:
@@ -103,6 +112,23 @@ def test_blocks_the_decode_engine_holds_are_not_kept_twice(model_dir: str) -> No
     assert len(decode.received_kv.staged) == 80 // BLOCK - 3
     outputs = decode_legs(decode, [request], first, [])
     assert_equals_transformers_generate(outputs, [request], reference_model(model_dir))
+
+
+def test_blocks_the_decode_engine_was_sent_before_are_not_sent_again(model_dir: str) -> None:
+    prompt = prompt_of(90, 4)
+    request = greedy_request(prompt, 6)
+    prefill, decode = make_core(model_dir), make_core(model_dir)
+    decode.add_request(greedy_request(prompt[:40], 1))  # two whole blocks cached there
+    while decode.has_work:
+        decode.step()
+    first, frames = prefill_legs(prefill, [request], skip_blocks=2)
+    hashes = [h for header, _ in frames for h in header.block_hashes]
+    assert hashes == chained_hashes(prompt)[2:]
+    outputs = decode_legs(decode, [request], first, frames)
+    assert_equals_transformers_generate(outputs, [request], reference_model(model_dir))
+    stats = decode.idle_outputs().stats
+    assert stats.prefix_cache_transfer_hits_total == 3 * BLOCK
+    assert stats.prefix_cache_hits_total >= 5 * BLOCK
 
 
 def test_blocks_of_another_layout_or_size_are_refused(model_dir: str) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from frontend.disaggregation import PrefillDecodeRoute
+from frontend.engine_pool import EnginePool
+from frontend.metrics import LoomMetrics
 from frontend.router import OVERLOAD_SLACK, Router, prefix_hashes
 
 BLOCK = 4
@@ -70,3 +73,49 @@ def test_round_robin_ignores_load_and_prefixes() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="routing policy"):
         Router("random", BLOCK)
+
+
+def test_the_blocks_an_engine_was_sent_are_counted_from_the_start() -> None:
+    router = Router("cache_aware", BLOCK)
+    hashes = prefix_hashes([*SHARED, 7, 7, 7, 7], BLOCK)  # five blocks
+    router.prefixes.record(prefix_hashes(SHARED[:8], BLOCK), 1)
+    assert router.prefixes.num_blocks_held(hashes, 1) == 2
+    assert router.prefixes.num_blocks_held(hashes, 0) == 0
+    router.prefixes.record(hashes, 0)
+    assert router.prefixes.num_blocks_held(hashes, 0) == 5
+
+
+class FakeClient:
+    """What EnginePool reads of an EngineClient."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.engine_dead, self.restarts, self.ready = rank, False, 0, None
+        self.num_in_flight = self.num_waiting_estimate = 0
+
+
+def pool_with_roles(*roles: str) -> tuple[EnginePool, list[FakeClient]]:
+    clients = [FakeClient(rank) for rank in range(len(roles))]
+    return EnginePool(clients, Router("cache_aware", BLOCK), LoomMetrics(),  # type: ignore[arg-type]
+                      list(roles)), clients
+
+
+def test_roles_split_a_request_while_both_kinds_serve() -> None:
+    pool, clients = pool_with_roles("prefill", "decode", "decode")
+    first = pool.route([SHARED])
+    assert isinstance(first, PrefillDecodeRoute) and first.prefill is clients[0]
+    assert first.decode_holds == {tuple(SHARED): 0}
+    again = pool.route([SHARED])  # the same decode engine, which was sent all four blocks
+    assert isinstance(again, PrefillDecodeRoute) and again.decode is first.decode
+    assert again.decode_holds == {tuple(SHARED): 4}
+    clients[0].engine_dead = True  # no prefill engine: requests run whole
+    assert pool.route([SHARED]) in clients[1:]
+    clients[0].engine_dead, clients[1].engine_dead, clients[2].engine_dead = False, True, True
+    assert pool.route([SHARED]) is clients[0]
+
+
+def test_without_roles_or_with_one_engine_for_both_nothing_splits() -> None:
+    pool, clients = pool_with_roles("both")
+    assert pool.route([SHARED]) is clients[0]
+    plain = EnginePool([FakeClient(0), FakeClient(1)], Router("load", BLOCK),  # type: ignore[list-item]
+                       LoomMetrics())
+    assert not isinstance(plain.route([SHARED]), PrefillDecodeRoute)

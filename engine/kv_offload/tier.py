@@ -47,7 +47,7 @@ class DiskTier:
         """Called on the step loop: no disk access here (the writer thread checks whether
         another engine wrote the block already)."""
         if not self.store.indexed(block_hash):
-            self.store.put(block_hash, self.copier.read(block_id))
+            self.store.put(block_hash, self.copier.read([block_id]))
 
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self.store
