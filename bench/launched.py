@@ -18,7 +18,7 @@ from common.sockets import free_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
-READY_MARK = "serving "  # launch.py prints it once /health answered 200
+READY_MARK = "[launch] serving "  # once /health answered 200 (the frontend says "serving" sooner)
 
 
 def child_pids(pid: int) -> list[int]:

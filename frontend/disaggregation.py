@@ -23,6 +23,7 @@ drops blocks that no request claims.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ from frontend.request_stream import EngineDeadError, RequestStream
 if TYPE_CHECKING:
     from frontend.engine_client import EngineClient
     from frontend.metrics import LoomMetrics
+
+logger = logging.getLogger("loom.frontend.disaggregation")
 
 KV_ROLES = ("prefill", "decode", "both")
 VLLM_ROLE_NAMES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
@@ -109,6 +112,9 @@ class DisaggregatedStream:
         try:
             output = await self._prefill.__anext__()
         except EngineDeadError:  # nothing came back: the decode engine runs it whole
+            logger.warning("prefill engine %d is gone before %s's first token: engine %d "
+                           "runs it whole", self.route.prefill.rank, self.request.request_id,
+                           self.route.decode.rank)
             self._stop_relay()
             self._decode = self.route.decode.add(self.request)
             return await self.__anext__()

@@ -7,7 +7,9 @@ prefill,decode`) on the tiny model, real HTTP:
 - clients hanging up mid-stream leave no request running and no KV block held on either
   engine;
 - a decode engine killed mid-stream fails only its streams, requests go on whole on the
-  prefill engine meanwhile, and disaggregation resumes once launch.py restarted it.
+  prefill engine meanwhile, and disaggregation resumes once launch.py restarted it;
+- a prefill engine killed while streams decode elsewhere and new prompts arrive loses no
+  request (those it held run whole on the decode engine), and disaggregation resumes.
 """
 
 from __future__ import annotations
@@ -127,4 +129,34 @@ async def test_a_killed_decode_engine_fails_only_its_streams(
     assert during.completed and all(outcome.completed for outcome in after)
     # The new engine 1 takes KV again (prompts it has not seen).
     assert samples["loom:prefix_cache_transfer_hits_total"] > before
+    assert_no_leaks(samples)
+
+
+async def test_a_killed_prefill_engine_loses_no_request(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    with disaggregated(tmp_path_factory) as server:
+        url = server.base_url + "/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            decoding = [StreamOutcome() for _ in PROMPTS]
+            streams = [asyncio.ensure_future(stream_one(
+                http, url, body(prompt, 300, stream=True), outcome=outcome))
+                for prompt, outcome in zip(PROMPTS, decoding, strict=True)]
+            async with asyncio.timeout(60):  # these decode on engine 1 before the kill
+                while not all(outcome.chunks >= 2 for outcome in decoding):
+                    await asyncio.sleep(0.01)
+            # And these are sent as it dies: whichever leg they reach, none is lost.
+            burst = [asyncio.ensure_future(stream_one(
+                http, url, body(prompt[::-1] * 2, 40, stream=True))) for prompt in PROMPTS]
+            os.kill(engine_pid(server, 0), signal.SIGKILL)
+            outcomes = await asyncio.gather(*streams, *burst)
+            async with asyncio.timeout(60):
+                while (await read_metrics(http, server.base_url))["loom:engines_live"] < 2:
+                    await asyncio.sleep(0.05)
+            before = (await read_metrics(http, server.base_url))[
+                "loom:prefix_cache_transfer_hits_total"]
+            after = await stream_one(http, url, body(PROMPTS[5][::2] * 3, 8, stream=True))
+            samples = await wait_idle(http, server.base_url)
+    assert all(outcome.completed for outcome in outcomes), outcomes
+    assert after.completed
+    assert samples["loom:prefix_cache_transfer_hits_total"] > before  # split again
     assert_no_leaks(samples)

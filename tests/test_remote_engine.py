@@ -5,7 +5,9 @@ shared secret (CURVE).
 - an engine holding the wrong secret is refused, and the frontend logs it; /health stays 503
   while it is the only engine;
 - an engine holding the right one joins, and a streaming request is served through it;
-- killed, it is restarted by its host's launch.py and joins again, and serves again.
+- killed, it is restarted by its host's launch.py and joins again, and serves again;
+- as the decode engine of a prefill engine beside the frontend (--kv-roles), it takes the
+  prompt's KV over the link and answers as one engine does.
 
 The test makes the namespaces and the veth pair and removes them; where namespaces cannot be
 made (not root, no iproute2, no CAP_SYS_ADMIN) it skips, saying why. HTTP goes to the
@@ -30,7 +32,7 @@ import pytest
 
 from bench.launched import child_pids, command_line
 from tests.launched_server import LaunchedServer
-from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model
+from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model, tiny_server
 
 pytestmark = pytest.mark.e2e
 
@@ -86,7 +88,7 @@ class NamespacedLaunch(LaunchedServer):
 
     namespace: str = ""
     secret: str = SECRET
-    ready_mark: str = "serving "
+    ready_mark: str = "[launch] serving "
     env: dict[str, str] = field(default_factory=dict)
 
     def spawn(self, log: IO[bytes]) -> subprocess.Popen:
@@ -187,3 +189,55 @@ def test_a_headless_engine_in_another_namespace_serves_and_a_wrong_key_is_refuse
             assert frontend.log.count("engine 0 joined") == 2
     assert answer == {"health": 200, "tokens": 8, "finish": "length", "done": True}
     assert again == answer
+
+
+GREEDY_CLIENT = """
+import json, sys, urllib.request
+base, model = sys.argv[1], sys.argv[2]
+prompt = [(11 * i + 5) % 300 + 10 for i in range(90)]
+body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+        "ignore_eos": True}
+request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+with urllib.request.urlopen(request, timeout=60) as response:
+    text = json.load(response)["choices"][0]["text"]
+with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+    metrics = {line.split()[0]: float(line.split()[1]) for line in response.read().decode()
+               .splitlines() if line.startswith("loom:") and " " in line}
+print(json.dumps({"text": text, "metrics": metrics}))
+"""
+
+
+def greedy_answer(base_url: str, namespace: str | None = None) -> dict:
+    command = [sys.executable, "-c", GREEDY_CLIENT, base_url, TINY_MODEL_NAME]
+    done = subprocess.run(in_ns(namespace, *command) if namespace else command,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_decode_engine_on_another_host_takes_the_prefill_engines_kv(
+        namespaces: Namespaces, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Prefill engine beside the frontend, decode engine headless in the other namespace:
+    the KV crosses the CURVE tcp link, relayed by the frontend, and the answer is one
+    engine's."""
+    model = shared_tiny_model(tmp_path_factory)
+    logs = tmp_path_factory.mktemp("remote-pd-logs")
+    with tiny_server(model).start(logs) as alone:
+        expected = greedy_answer(alone.base_url)["text"]
+    common = ["--model", model, "--dtype", "float32", "--served-model-name", TINY_MODEL_NAME,
+              "--data-parallel-size", "2", "--data-parallel-address",
+              namespaces.frontend_address, "--data-parallel-rpc-port", str(RPC_PORT),
+              "--num-kv-blocks", "256"]
+    frontend = NamespacedLaunch([*common, "--data-parallel-size-local", "1",
+                                 "--kv-roles", "prefill,decode"], namespace=namespaces.frontend)
+    decode = NamespacedLaunch([*common, "--headless", "--data-parallel-size-local", "1",
+                               "--data-parallel-start-rank", "1"],
+                              namespace=namespaces.engine, ready_mark="headless: ranks")
+    with frontend.start(logs), decode.start(logs):
+        wait_for(lambda: "engine 1 joined" in frontend.log)
+        answer = greedy_answer(frontend.base_url, namespaces.frontend)
+    assert answer["text"] == expected
+    metrics = answer["metrics"]
+    assert metrics["loom:prefix_cache_transfer_hits_total"] == 90 // 16 * 16
+    assert metrics["loom:kv_transfer_bytes_total"] > 0
