@@ -4,8 +4,8 @@ prefill,decode`) on the tiny model, real HTTP:
 - greedy completions (streamed and not, prompts of several lengths, all at once) equal a
   single engine's, token for token; the prefill engine generated one token per request, the
   decode engine found the prompts' whole blocks handed over, and the relay moved bytes;
-- clients hanging up mid-stream leave no request running and no KV block held on either
-  engine;
+- clients hanging up mid-stream, or while their prompt is prefilled and handed over, leave
+  no request running and no KV block held on either engine;
 - a decode engine killed mid-stream fails only its streams, requests go on whole on the
   prefill engine meanwhile, and disaggregation resumes once launch.py restarted it;
 - a prefill engine killed while streams decode elsewhere and new prompts arrive loses no
@@ -98,6 +98,23 @@ async def test_clients_hanging_up_free_both_engines(
             samples = await wait_idle(http, server.base_url)
     assert all(outcome.cut for outcome in cut)
     assert samples['loom:request_success_total{finished_reason="abort"}'] == len(PROMPTS)
+    assert_no_leaks(samples)
+
+
+async def test_clients_hanging_up_during_the_hand_over_free_both_engines(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    long_prompts = [prompt * 12 for prompt in PROMPTS[2:]]  # 480 to 1,800 tokens
+    with disaggregated(tmp_path_factory) as server:
+        url = server.base_url + "/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            cut = await asyncio.gather(*(  # gone as soon as the response starts
+                stream_one(http, url, body(prompt, 64, stream=True), cut_after_chunks=0)
+                for prompt in long_prompts))
+            samples = await wait_idle(http, server.base_url)
+    assert all(outcome.cut for outcome in cut)
+    generated = per_engine(samples, "engine_generation_tokens_total")
+    assert generated["1"] < len(long_prompts) * 63, generated  # cut before their decode legs
+    assert samples['loom:request_success_total{finished_reason="abort"}'] == len(long_prompts)
     assert_no_leaks(samples)
 
 
