@@ -56,6 +56,27 @@ async def texts(server: LaunchedServer) -> list[str]:
         return await asyncio.gather(*map(complete, PROMPTS))
 
 
+async def streams_decoding(http: aiohttp.ClientSession, url: str,
+                           max_tokens: int) -> list[asyncio.Future[StreamOutcome]]:
+    """A stream for each prompt, returned once each is decoding (on the decode engine)."""
+    watched = [StreamOutcome() for _ in PROMPTS]
+    streams = [asyncio.ensure_future(stream_one(
+        http, url, body(prompt, max_tokens, stream=True), outcome=outcome))
+        for prompt, outcome in zip(PROMPTS, watched, strict=True)]
+    async with asyncio.timeout(60):
+        while not all(outcome.chunks >= 2 for outcome in watched):
+            await asyncio.sleep(0.01)
+    return streams
+
+
+async def transfer_hits_once_both_serve(http: aiohttp.ClientSession, base_url: str) -> float:
+    """Prompt tokens handed over so far, once the killed engine is back."""
+    async with asyncio.timeout(60):
+        while (await read_metrics(http, base_url))["loom:engines_live"] < 2:
+            await asyncio.sleep(0.05)
+    return (await read_metrics(http, base_url))["loom:prefix_cache_transfer_hits_total"]
+
+
 def assert_no_leaks(samples: dict[str, float]) -> None:
     assert per_engine(samples, "engine_kv_cache_usage_perc") == {"0": 0.0, "1": 0.0}
     assert per_engine(samples, "engine_num_requests_running") == {"0": 0.0, "1": 0.0}
@@ -123,21 +144,11 @@ async def test_a_killed_decode_engine_fails_only_its_streams(
     with disaggregated(tmp_path_factory) as server:
         url = server.base_url + "/v1/completions"
         async with aiohttp.ClientSession() as http:
-            watched = [StreamOutcome() for _ in PROMPTS]
-            streams = [asyncio.ensure_future(stream_one(
-                http, url, body(prompt, 600, stream=True), outcome=outcome))
-                for prompt, outcome in zip(PROMPTS, watched, strict=True)]
-            async with asyncio.timeout(60):  # every stream is decoding before the kill
-                while not all(outcome.chunks >= 2 for outcome in watched):
-                    await asyncio.sleep(0.01)
+            streams = await streams_decoding(http, url, 600)
             os.kill(engine_pid(server, 1), signal.SIGKILL)
             outcomes = await asyncio.gather(*streams)
             during = await stream_one(http, url, body(PROMPTS[2], 8, stream=True))
-            async with asyncio.timeout(60):
-                while (await read_metrics(http, server.base_url))["loom:engines_live"] < 2:
-                    await asyncio.sleep(0.05)
-            before = (await read_metrics(http, server.base_url))[
-                "loom:prefix_cache_transfer_hits_total"]
+            before = await transfer_hits_once_both_serve(http, server.base_url)
             after = await asyncio.gather(*(stream_one(http, url, body(prompt, 8, stream=True))
                                            for prompt in PROMPTS[3:]))
             samples = await wait_idle(http, server.base_url)
@@ -154,23 +165,13 @@ async def test_a_killed_prefill_engine_loses_no_request(
     with disaggregated(tmp_path_factory) as server:
         url = server.base_url + "/v1/completions"
         async with aiohttp.ClientSession() as http:
-            decoding = [StreamOutcome() for _ in PROMPTS]
-            streams = [asyncio.ensure_future(stream_one(
-                http, url, body(prompt, 300, stream=True), outcome=outcome))
-                for prompt, outcome in zip(PROMPTS, decoding, strict=True)]
-            async with asyncio.timeout(60):  # these decode on engine 1 before the kill
-                while not all(outcome.chunks >= 2 for outcome in decoding):
-                    await asyncio.sleep(0.01)
+            streams = await streams_decoding(http, url, 300)
             # And these are sent as it dies: whichever leg they reach, none is lost.
             burst = [asyncio.ensure_future(stream_one(
                 http, url, body(prompt[::-1] * 2, 40, stream=True))) for prompt in PROMPTS]
             os.kill(engine_pid(server, 0), signal.SIGKILL)
             outcomes = await asyncio.gather(*streams, *burst)
-            async with asyncio.timeout(60):
-                while (await read_metrics(http, server.base_url))["loom:engines_live"] < 2:
-                    await asyncio.sleep(0.05)
-            before = (await read_metrics(http, server.base_url))[
-                "loom:prefix_cache_transfer_hits_total"]
+            before = await transfer_hits_once_both_serve(http, server.base_url)
             after = await stream_one(http, url, body(PROMPTS[5][::2] * 3, 8, stream=True))
             samples = await wait_idle(http, server.base_url)
     assert all(outcome.completed for outcome in outcomes), outcomes
