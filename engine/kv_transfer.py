@@ -54,14 +54,14 @@ class BlockCopier:
 
     def write(self, block_id: int, payload: bytes | memoryview) -> bool:
         """False (nothing written) when the payload is not one block's size."""
-        if len(payload) != self.payload_bytes:
+        view = memoryview(payload)
+        if view.nbytes != self.payload_bytes:
             return False
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        offset = 0
-        for cache, size in zip(self.caches, self.block_bytes, strict=True):
+        data = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
+        data = data.to(self.caches[0].device)  # one copy to a GPU, then copies on it
+        for cache, piece in zip(self.caches, data.split(self.block_bytes), strict=True):
             target = cache[block_id]
-            target.copy_(data[offset:offset + size].view(cache.dtype).view(target.shape))
-            offset += size
+            target.copy_(piece.view(cache.dtype).view(target.shape))
         return True
 
 

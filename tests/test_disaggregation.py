@@ -44,6 +44,7 @@ class FakeClient:
     """Replies to each add with the next scripted stream; records what it was sent."""
 
     scripts: list[list]
+    rank: int = 0
     added: list[AddRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)

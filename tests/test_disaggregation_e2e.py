@@ -108,34 +108,28 @@ async def test_disaggregated_greedy_output_equals_one_engines(
     assert_no_leaks(samples)
 
 
-async def test_clients_hanging_up_free_both_engines(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    with disaggregated(tmp_path_factory) as server:
-        url = server.base_url + "/v1/completions"
-        async with aiohttp.ClientSession() as http:
-            cut = await asyncio.gather(*(
-                stream_one(http, url, body(prompt, 1500, stream=True), cut_after_chunks=3)
-                for prompt in PROMPTS))
-            samples = await wait_idle(http, server.base_url)
-    assert all(outcome.cut for outcome in cut)
-    assert samples['loom:request_success_total{finished_reason="abort"}'] == len(PROMPTS)
-    assert_no_leaks(samples)
-
-
-async def test_clients_hanging_up_during_the_hand_over_free_both_engines(
+async def test_clients_hanging_up_mid_stream_or_mid_hand_over_free_both_engines(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     long_prompts = [prompt * 12 for prompt in PROMPTS[2:]]  # 480 to 1,800 tokens
     with disaggregated(tmp_path_factory) as server:
         url = server.base_url + "/v1/completions"
         async with aiohttp.ClientSession() as http:
-            cut = await asyncio.gather(*(  # gone as soon as the response starts
+            decoding = await asyncio.gather(*(
+                stream_one(http, url, body(prompt, 1500, stream=True), cut_after_chunks=3)
+                for prompt in PROMPTS))
+            mid_stream = await wait_idle(http, server.base_url)
+            prefilling = await asyncio.gather(*(  # gone as soon as the response starts
                 stream_one(http, url, body(prompt, 64, stream=True), cut_after_chunks=0)
                 for prompt in long_prompts))
             samples = await wait_idle(http, server.base_url)
-    assert all(outcome.cut for outcome in cut)
-    generated = per_engine(samples, "engine_generation_tokens_total")
-    assert generated["1"] < len(long_prompts) * 63, generated  # cut before their decode legs
-    assert samples['loom:request_success_total{finished_reason="abort"}'] == len(long_prompts)
+    assert all(outcome.cut for outcome in decoding + prefilling)
+    aborted = 'loom:request_success_total{finished_reason="abort"}'
+    assert mid_stream[aborted] == len(PROMPTS)
+    assert_no_leaks(mid_stream)
+    decoded = (per_engine(samples, "engine_generation_tokens_total")["1"]
+               - per_engine(mid_stream, "engine_generation_tokens_total")["1"])
+    assert decoded < len(long_prompts) * 63  # cut before their decode legs
+    assert samples[aborted] == len(PROMPTS) + len(long_prompts)
     assert_no_leaks(samples)
 
 
