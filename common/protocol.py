@@ -252,6 +252,9 @@ class StepStats:
     kv_offload_write_seconds_total: float = 0.0
     # Prompt tokens whose KV a prefill engine handed over (engine.kv_transfer)
     prefix_cache_transfer_hits_total: int = 0
+    # When this engine process started (time.time()): a new value means the totals above
+    # count from zero again
+    engine_start_time: float = 0.0
     # Speculative decoding (engine.speculative): verifications with drafts, draft tokens,
     # accepted ones, and accepted ones by draft position.
     spec_decode_num_drafts_total: int = 0

@@ -124,6 +124,7 @@ class EngineCore:
         self.grammar_waitlist = GrammarWaitlist(self.grammars, config.grammar_compile_timeout)
         self.step_threads = torch.get_num_threads()
         self.totals = EngineTotals()
+        self.start_time = time.time()
         self.record_traces = record_traces
         self.traces: list[StepTrace] = []
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d blocks per GiB, %s; %s) = "
@@ -441,6 +442,7 @@ class EngineCore:
             kv_integrity_violations_total=self.block_manager.num_integrity_violations,
             prefix_cache_disk_hits_total=self.block_manager.stats.disk_hits,
             prefix_cache_transfer_hits_total=self.block_manager.stats.transfer_hits,
+            engine_start_time=self.start_time,
             **({} if self.disk_tier is None else self.disk_tier.as_stats()),
             **({} if self.speculator is None else self.speculator.totals.as_stats()),
         )

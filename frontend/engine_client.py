@@ -214,7 +214,7 @@ class EngineClient:
             return
         logger.error("engine %d process exited: %s", self.rank, reason)
         self._process_gone()
-        self.metrics.engine_process_exited(self.rank)
+        self.metrics.engine_gone(self.rank)
         await self._fail_in_flight_after_grace(reason)
 
     def _process_gone(self) -> None:

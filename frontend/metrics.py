@@ -169,6 +169,7 @@ class LoomMetrics:
             "engine_prefix_cache_hits_total",
             "Prompt tokens found in this engine's prefix cache.", labels), per_engine=True)
         self._engine_stats: dict[int, StepStats] = {}
+        self._engine_starts: dict[int, float] = {}  # each engine process's start time
         # Others that follow every engine frame's stats (frontend.deadline_admission).
         self.step_listeners: list[Callable[[StepStats, int], None]] = []
 
@@ -183,6 +184,9 @@ class LoomMetrics:
 
     def observe_step(self, stats: StepStats, engine: int = 0) -> None:
         """One engine's frame: its own series, and the sums over every engine's latest."""
+        if self._engine_starts.setdefault(engine, stats.engine_start_time) \
+                != stats.engine_start_time:
+            self._new_engine_process(engine, stats.engine_start_time)
         self._engine_stats[engine] = stats
         self._set_sums()
         for listener in self.step_listeners:
@@ -224,10 +228,10 @@ class LoomMetrics:
                     self._spec_accepted_by_position.labels(str(position)))
             series.advance_to(total, engine)
 
-    def engine_process_exited(self, engine: int) -> None:
-        """Also: whatever replaces it starts its totals from zero, and all of its first
-        report's counts are new."""
-        self.engine_gone(engine)
+    def _new_engine_process(self, engine: int, start_time: float) -> None:
+        """A restarted engine (local or remote) counts its totals from zero: all of its
+        first report's counts are new."""
+        self._engine_starts[engine] = start_time
         for value in vars(self).values():
             for series in value.values() if isinstance(value, dict) else [value]:
                 if isinstance(series, RunningTotal):

@@ -161,13 +161,11 @@ def test_the_disk_tier_counts_its_hits_bytes_and_seconds() -> None:
 
 def test_a_restarted_engines_first_report_counts_whole() -> None:
     metrics = LoomMetrics()
-    metrics.observe_step(StepStats(prefix_cache_hits_total=336,
-                                   prefix_cache_transfer_hits_total=336), 1)
-    metrics.engine_process_exited(1)
-    # The new process's first report already holds more than one step's work.
-    metrics.observe_step(StepStats(prefix_cache_hits_total=288,
-                                   prefix_cache_transfer_hits_total=288), 1)
+    metrics.observe_step(StepStats(prefix_cache_hits_total=336, engine_start_time=1.0), 1)
+    metrics.observe_step(StepStats(prefix_cache_hits_total=400, engine_start_time=1.0), 1)
+    # A new process (local or remote): its first report already holds more than a step's
+    # work, even as much as the old one's last.
+    metrics.observe_step(StepStats(prefix_cache_hits_total=400, engine_start_time=2.0), 1)
     values = samples(metrics)
-    assert values["loom:prefix_cache_hits_total"] == 336 + 288
-    assert values["loom:prefix_cache_transfer_hits_total"] == 336 + 288
-    assert values['loom:engine_prefix_cache_hits_total{engine="1"}'] == 336 + 288
+    assert values["loom:prefix_cache_hits_total"] == 400 + 400
+    assert values['loom:engine_prefix_cache_hits_total{engine="1"}'] == 400 + 400
