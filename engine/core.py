@@ -17,28 +17,20 @@ import torch
 from common.config import DEFAULT_CUDA_KV_CACHE_FRACTION, EngineConfig
 from common.protocol import (
     AddRequest,
-    KVBlocks,
     Ready,
     RequestError,
     RequestOutput,
     StepOutputs,
     StepStats,
 )
-from common.sockets import free_port
 from engine.attention.quantized_kv import cache_dtype, describe
 from engine.block_manager import BlockManager
-from engine.distributed.tensor_parallel import (
-    WorkerRanks,
-    broadcast_int,
-    dist_backend,
-    init_group,
-    rank_layout,
-)
+from engine.distributed.tensor_parallel import broadcast_int, start_worker_ranks
 from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder, default_recorder
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
 from engine.kv_cache_groups import KVCacheLayout
-from engine.kv_offload.tier import attach_disk_tier, tier_key
-from engine.kv_transfer import BlockCopier, KVExporter, ReceivedKV
+from engine.kv_offload.tier import attach_disk_tier
+from engine.kv_transfer import attach_kv_transfer
 from engine.platform.cpu import choose_dtype
 from engine.platform.machine import Machine, rss_text, take_machine_defaults
 from engine.pooling.pooler import Pooler, PoolSpan
@@ -82,7 +74,7 @@ class EngineCore:
         self.dtype = choose_dtype(config.dtype, self.device)
         self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         torch.manual_seed(config.seed)
-        self.workers = self._start_tensor_parallel(log_level)
+        self.workers = start_worker_ranks(config, self.device, log_level)
         self.model = load_model(config.model, self.dtype, self.device,
                                 quantization=config.quantization,
                                 group_size=config.quantization_group_size)
@@ -111,7 +103,8 @@ class EngineCore:
         self.runner = self._make_runner(num_blocks, self.recorder)
         self.disk_tier = attach_disk_tier(config, self.block_manager, self.runner.kv_caches,
                                           self.dtype)
-        self.kv_exporter, self.received_kv = self._kv_transfer()
+        self.kv_transfer = attach_kv_transfer(config, self.block_manager, self.runner.kv_caches,
+                                              self.dtype, self.draft_model is not None)
         logger.info("%s", self.runner.kernels.describe())  # once: not for the graph probe
         self.sampler = Sampler(self.device, config.seed)
         if self.draft_model is not None:
@@ -150,39 +143,6 @@ class EngineCore:
         global layers' groups (sliding ones hold a window each, left out)."""
         groups = self.kv_layout.windows
         return num_blocks * self.config.block_size // (groups.count(None) or len(groups))
-
-    def _start_tensor_parallel(self, log_level: str) -> WorkerRanks | None:
-        config = self.config
-        size = config.tensor_parallel_size
-        if size == 1:
-            return None
-        port = config.master_port or free_port()
-        workers = WorkerRanks.spawn(config.to_json(), rank_layout(config), config.master_addr,
-                                    port, log_level)
-        init_group(0, size, config.master_addr, port, self.device)
-        logger.info("tensor parallel: %d ranks (%s)", size, dist_backend())
-        return workers
-
-    def _kv_transfer(self) -> tuple[KVExporter | None, ReceivedKV | None]:
-        """Both sides of handing a prompt's KV to another engine (engine.kv_transfer),
-        where this engine's blocks can travel whole: one KV cache group, one
-        tensor-parallel rank, prefix caching on. Elsewhere a decode leg recomputes."""
-        config, manager = self.config, self.block_manager
-        why_not = ("prefix caching is off" if not manager.enable_prefix_caching else
-                   "sliding-window layers drop blocks behind their window"
-                   if len(manager.groups) > 1 or manager.groups[0].window is not None else
-                   "tensor-parallel ranks each hold a share of the heads"
-                   if config.tensor_parallel_size > 1 else
-                   "a draft model's KV does not travel" if self.draft_model is not None
-                   else None)
-        if why_not is not None:
-            logger.info("KV transfer (prefill/decode roles) off: %s", why_not)
-            return None, None
-        copier = BlockCopier(self.runner.kv_caches)
-        layout = tier_key(config.model, self.dtype, config.block_size, self.runner.kv_caches)
-        received = ReceivedKV(copier, layout, manager, below=manager.tier)
-        manager.tier = received
-        return KVExporter(copier, layout, manager), received
 
     def check_ranks(self) -> None:
         """Raises RankDied when a tensor-parallel rank has exited."""
@@ -267,8 +227,7 @@ class EngineCore:
                 request.append_token(token_id)
         if not request.sampling.grammars:
             self.scheduler.add(request)
-            if message.export_kv and self.kv_exporter is not None:
-                self.kv_exporter.add(request, message.kv_skip_blocks)
+            self.kv_transfer.add(request, message)
             return
         self.scheduler.check_new(request)
         self.grammar_waitlist.add(request)
@@ -306,23 +265,8 @@ class EngineCore:
         self.grammar_waitlist.abort(request_ids)
         for request in self.scheduler.abort(request_ids):
             self._forget(request)
-        for request_id in request_ids:
-            if self.kv_exporter is not None:
-                self.kv_exporter.forget(request_id)
-            if self.received_kv is not None:  # also a decode leg that was never sent
-                self.received_kv.drop(request_id)
-
-    def receive_kv(self, message: KVBlocks, payload: memoryview) -> None:
-        """A prefill engine's blocks for a request about to be added here."""
-        if self.received_kv is None:
-            logger.warning("dropped KV blocks for %s: this engine takes none",
-                           message.request_id)
-        else:
-            self.received_kv.receive(message, payload)
-
-    def take_kv_blocks(self) -> list[tuple[KVBlocks, bytes]]:
-        """The prompt blocks exporting requests have cached since the last call."""
-        return [] if self.kv_exporter is None else self.kv_exporter.collect()
+        for request_id in request_ids:  # also a decode leg that never came
+            self.kv_transfer.aborted(request_id)
 
     @property
     def awaiting_grammar(self) -> dict[str, AwaitingGrammar]:
@@ -400,8 +344,7 @@ class EngineCore:
 
     def _forget(self, request: Request) -> None:
         self.pooler.forget(request.request_id)
-        if self.received_kv is not None:
-            self.received_kv.drop(request.request_id)
+        self.kv_transfer.finished(request.request_id)
         if self.speculator is not None:
             self.speculator.finished(request)
 

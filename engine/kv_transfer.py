@@ -23,46 +23,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.protocol import KVBlocks
+from common.config import EngineConfig
+from common.protocol import AddRequest, KVBlocks
 from engine.block_manager import BlockManager, BlockTier
+from engine.kv_blocks import BlockCopier, KVCache, payload_layout, why_blocks_stay
 from engine.request import Request
 
 logger = logging.getLogger("loom.engine")
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 # Received blocks held for requests not yet admitted, beyond which the oldest are dropped.
 DEFAULT_STAGED_BYTES = 1 << 30
 
 
-class BlockCopier:
-    """A block's K and V in every layer as one payload of bytes, and back."""
-
-    def __init__(self, caches: list[KVCache]) -> None:
-        self.caches = [cache for layer in caches for cache in layer]  # K, V of each layer
-        self.block_bytes = [cache[0].numel() * cache.element_size() for cache in self.caches]
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(self.block_bytes)
-
-    def read(self, block_ids: list[int]) -> bytes:
-        """The blocks' payloads one after another (one gather per cache tensor)."""
-        index = torch.tensor(block_ids, device=self.caches[0].device)
-        rows = [cache.index_select(0, index).view(len(block_ids), -1).view(torch.uint8)
-                for cache in self.caches]
-        return torch.cat(rows, dim=1).cpu().numpy().tobytes()
-
-    def write(self, block_id: int, payload: bytes | memoryview) -> bool:
-        """False (nothing written) when the payload is not one block's size."""
-        view = memoryview(payload)
-        if view.nbytes != self.payload_bytes:
-            return False
-        data = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
-        data = data.to(self.caches[0].device)  # one copy to a GPU, then copies on it
-        for cache, piece in zip(self.caches, data.split(self.block_bytes), strict=True):
-            target = cache[block_id]
-            target.copy_(piece.view(cache.dtype).view(target.shape))
-        return True
+@dataclass(slots=True)
+class Export:
+    request: Request
+    num_sent: int  # its leading prompt blocks sent (or skipped) so far
 
 
 @dataclass(slots=True)
@@ -70,45 +46,41 @@ class KVExporter:
     copier: BlockCopier
     layout: str
     block_manager: BlockManager
-    sent: dict[str, int] = field(default_factory=dict)  # request id -> blocks sent so far
-    requests: dict[str, Request] = field(default_factory=dict)
+    exports: dict[str, Export] = field(default_factory=dict)
 
     def add(self, request: Request, skip_blocks: int = 0) -> None:
         """Exports the request's prompt blocks after the first `skip_blocks`."""
-        self.requests[request.request_id] = request
-        self.sent[request.request_id] = skip_blocks
+        self.exports[request.request_id] = Export(request, skip_blocks)
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.sent.pop(request_id, None)
+        self.exports.pop(request_id, None)
 
     def collect(self) -> list[tuple[KVBlocks, bytes]]:
         """Each exporting request's prompt blocks cached since the last call; a finished or
         aborted request's last ones, and then it is forgotten."""
         messages = []
-        for request_id, request in list(self.requests.items()):
-            message = self._new_blocks(request)
+        for request_id, export in list(self.exports.items()):
+            message = self._new_blocks(export)
             if message is not None:
                 messages.append(message)
-            if request.is_finished:
-                del self.requests[request_id], self.sent[request_id]
+            if export.request.is_finished:
+                del self.exports[request_id]
         return messages
 
-    def _new_blocks(self, request: Request) -> tuple[KVBlocks, bytes] | None:
-        manager = self.block_manager
+    def _new_blocks(self, export: Export) -> tuple[KVBlocks, bytes] | None:
+        manager, request = self.block_manager, export.request
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
         hashes = manager.block_hashes(request)[:computed // manager.block_size]
-        first = self.sent[request.request_id]
         cached = manager.cached[0]
         ready = []
-        for block_hash in hashes[first:]:
+        for block_hash in hashes[export.num_sent:]:
             block_id = cached.get(block_hash)  # committed blocks are cached, whoever made them
             if block_id is None:
                 break
             ready.append((block_hash, block_id))
         if not ready:
             return None
-        self.sent[request.request_id] = first + len(ready)
+        export.num_sent += len(ready)
         payload = self.copier.read([block_id for _, block_id in ready])
         return KVBlocks(request.request_id, self.layout, [h for h, _ in ready]), payload
 
@@ -169,3 +141,58 @@ class ReceivedKV:
         if block_hash in self.staged:
             return "transfer" if self.copier.write(block_id, self._pop(block_hash)) else None
         return None if self.below is None else self.below.load(block_id, block_hash)
+
+
+@dataclass(slots=True)
+class KVTransfer:
+    """Both sides in one engine; with neither (`off`), requests export nothing and received
+    blocks are dropped."""
+
+    exporter: KVExporter | None = None
+    received: ReceivedKV | None = None
+
+    def add(self, request: Request, message: AddRequest) -> None:
+        """A request just added: it exports its blocks if its ADD asks."""
+        if message.export_kv and self.exporter is not None:
+            self.exporter.add(request, message.kv_skip_blocks)
+
+    def receive(self, message: KVBlocks, payload: memoryview) -> None:
+        """A prefill engine's blocks for a request about to be added here."""
+        if self.received is None:
+            logger.warning("dropped KV blocks for %s: this engine takes none",
+                           message.request_id)
+        else:
+            self.received.receive(message, payload)
+
+    def collect(self) -> list[tuple[KVBlocks, bytes]]:
+        """The prompt blocks exporting requests have cached since the last call."""
+        return [] if self.exporter is None else self.exporter.collect()
+
+    def finished(self, request_id: str) -> None:
+        """Its blocks nobody claimed go; an export still sends its last ones (`collect`)."""
+        if self.received is not None:
+            self.received.drop(request_id)
+
+    def aborted(self, request_id: str) -> None:
+        """Nothing more goes out for it (and its decode leg, if it never came, leaves)."""
+        self.finished(request_id)
+        if self.exporter is not None:
+            self.exporter.forget(request_id)
+
+
+def attach_kv_transfer(config: EngineConfig, block_manager: BlockManager,
+                       caches: list[KVCache], dtype: torch.dtype,
+                       has_draft_model: bool) -> KVTransfer:
+    """Both sides of handing a prompt's KV to another engine, where its blocks can travel
+    whole (the received blocks as a tier above the disk tier); elsewhere a decode leg
+    recomputes the prompt."""
+    why_not = why_blocks_stay(config, block_manager) or (
+        "a draft model's KV does not travel" if has_draft_model else None)
+    if why_not is not None:
+        logger.info("KV transfer (prefill/decode roles) off: %s", why_not)
+        return KVTransfer()
+    copier = BlockCopier(caches)
+    layout = payload_layout(config.model, dtype, config.block_size, caches)
+    received = ReceivedKV(copier, layout, block_manager, below=block_manager.tier)
+    block_manager.tier = received
+    return KVTransfer(KVExporter(copier, layout, block_manager), received)

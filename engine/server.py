@@ -91,7 +91,7 @@ class EngineServer:
                     was_busy = True
                     step_outputs = self.core.step()
                     step_outputs.stats.bad_frames_total = self.num_bad_frames
-                    for header, payload in self.core.take_kv_blocks():  # before its token
+                    for header, payload in self.core.kv_transfer.collect():  # before its token
                         self.outputs.send_multipart([encode(header), payload], copy=False)
                     self.outputs.send(encode(step_outputs), copy=False)
                     self.stats_logger.observe(step_outputs.stats)
@@ -162,7 +162,7 @@ class EngineServer:
                         request_id, f"the engine could not read the request: {exc}")))
                 continue
             if isinstance(message, KVBlocks):
-                self.core.receive_kv(message, parts[1].buffer)
+                self.core.kv_transfer.receive(message, parts[1].buffer)
             else:
                 self._handle(message)
 

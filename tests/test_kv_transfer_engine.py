@@ -53,7 +53,7 @@ def prefill_legs(core: EngineCore, requests: list[AddRequest], skip_blocks: int 
     frames = []
     while core.has_work:
         outputs = core.step().outputs
-        frames += core.take_kv_blocks()
+        frames += core.kv_transfer.collect()
         for output in outputs:
             first[output.request_id] += output.new_token_ids
     assert_no_leaks(core)
@@ -63,7 +63,7 @@ def prefill_legs(core: EngineCore, requests: list[AddRequest], skip_blocks: int 
 def decode_legs(core: EngineCore, requests: list[AddRequest], first: dict[str, list[int]],
                 frames: list[tuple[KVBlocks, bytes]]) -> dict[str, list[int]]:
     for header, payload in frames:
-        core.receive_kv(header, memoryview(payload))
+        core.kv_transfer.receive(header, memoryview(payload))
     outputs = {request.request_id: list(first[request.request_id]) for request in requests}
     for request in requests:
         core.add_request(replace(request, output_token_ids=first[request.request_id]))
@@ -94,7 +94,7 @@ def test_a_decode_engine_continues_from_a_prefill_engines_blocks(model_dir: str)
     whole_blocks = sum(len(request.prompt_token_ids) // BLOCK * BLOCK for request in requests)
     # Every whole block came over: only the tail after it (and the first token) was computed.
     assert stats.prefix_cache_transfer_hits_total == stats.prefix_cache_hits_total == whole_blocks
-    assert decode.received_kv is not None and not decode.received_kv.staged
+    assert decode.kv_transfer.received is not None and not decode.kv_transfer.received.staged
 
 
 def test_blocks_the_decode_engine_holds_are_not_kept_twice(model_dir: str) -> None:
@@ -106,10 +106,10 @@ def test_blocks_the_decode_engine_holds_are_not_kept_twice(model_dir: str) -> No
     while decode.has_work:
         decode.step()
     first, frames = prefill_legs(prefill, [request])
-    assert decode.received_kv is not None
+    assert decode.kv_transfer.received is not None
     for header, payload in frames:
-        decode.receive_kv(header, memoryview(payload))
-    assert len(decode.received_kv.staged) == 80 // BLOCK - 3
+        decode.kv_transfer.receive(header, memoryview(payload))
+    assert len(decode.kv_transfer.received.staged) == 80 // BLOCK - 3
     outputs = decode_legs(decode, [request], first, [])
     assert_equals_transformers_generate(outputs, [request], reference_model(model_dir))
 
@@ -136,12 +136,13 @@ def test_blocks_of_another_layout_or_size_are_refused(model_dir: str) -> None:
     decode = make_core(model_dir, dtype="bfloat16")  # another dtype: another layout
     request = greedy_request(prompt_of(40, 3), 5)
     first, frames = prefill_legs(prefill, [request])
-    assert decode.received_kv is not None
+    assert decode.kv_transfer.received is not None
     for header, payload in frames:
-        decode.receive_kv(header, memoryview(payload))
-        same_layout = replace(header, layout=decode.received_kv.layout)
-        decode.receive_kv(same_layout, memoryview(payload)[:-1])  # torn
-    assert not decode.received_kv.staged and decode.received_kv.num_dropped == 2 * len(frames)
+        decode.kv_transfer.receive(header, memoryview(payload))
+        same_layout = replace(header, layout=decode.kv_transfer.received.layout)
+        decode.kv_transfer.receive(same_layout, memoryview(payload)[:-1])  # torn
+    received = decode.kv_transfer.received
+    assert not received.staged and received.num_dropped == 2 * len(frames)
     outputs = decode_legs(decode, [request], first, [])  # recomputes: still right
     assert len(outputs[request.request_id]) == 5
     assert decode.idle_outputs().stats.prefix_cache_transfer_hits_total == 0
@@ -152,10 +153,10 @@ def test_an_abort_drops_the_blocks_nobody_claimed(model_dir: str) -> None:
     request = greedy_request(prompt_of(70, 5), 5)
     _, frames = prefill_legs(prefill, [request])
     for header, payload in frames:
-        decode.receive_kv(header, memoryview(payload))
-    assert decode.received_kv is not None and decode.received_kv.num_bytes > 0
+        decode.kv_transfer.receive(header, memoryview(payload))
+    assert decode.kv_transfer.received is not None and decode.kv_transfer.received.num_bytes > 0
     decode.abort_requests([request.request_id])  # the client left before the decode leg
-    assert not decode.received_kv.staged and decode.received_kv.num_bytes == 0
+    assert not decode.kv_transfer.received.staged and decode.kv_transfer.received.num_bytes == 0
     assert_no_leaks(decode)
 
 
@@ -164,8 +165,8 @@ def test_an_aborted_prefill_leg_stops_exporting(model_dir: str) -> None:
     request = greedy_request(prompt_of(120, 6), 4)
     prefill.add_request(replace(request, export_kv=True))
     prefill.step()
-    assert len(prefill.take_kv_blocks()) == 1
+    assert len(prefill.kv_transfer.collect()) == 1
     prefill.abort_requests([request.request_id])
-    assert prefill.kv_exporter is not None and not prefill.kv_exporter.requests
-    assert prefill.take_kv_blocks() == []
+    assert prefill.kv_transfer.exporter is not None and not prefill.kv_transfer.exporter.exports
+    assert prefill.kv_transfer.collect() == []
     assert_no_leaks(prefill)

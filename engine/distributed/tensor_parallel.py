@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from common.config import EngineConfig
 from common.processes import core_slice, die_with_parent, env_for_cores
+from common.sockets import free_port
 
 logger = logging.getLogger("loom.engine")
 
@@ -215,3 +216,18 @@ def keep_to_cores(rank: int, layout: RankLayout, device: torch.device) -> None:
     if device.type == "cpu" and cores is not None:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
+
+
+def start_worker_ranks(config: EngineConfig, device: torch.device,
+                       log_level: str) -> WorkerRanks | None:
+    """With --tensor-parallel-size N, this process is rank 0: ranks 1..N-1 start and the
+    group forms; None with one rank."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    port = config.master_port or free_port()
+    workers = WorkerRanks.spawn(config.to_json(), rank_layout(config), config.master_addr,
+                                port, log_level)
+    init_group(0, size, config.master_addr, port, device)
+    logger.info("tensor parallel: %d ranks (%s)", size, dist_backend())
+    return workers

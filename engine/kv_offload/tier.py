@@ -8,7 +8,6 @@ the blocks behind their window (Gemma 2 and 3, Mistral) the tier stays off, for 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -17,26 +16,10 @@ import torch
 from common.config import EngineConfig
 from common.default_model import default_cache_dir
 from engine.block_manager import BlockManager
+from engine.kv_blocks import BlockCopier, KVCache, payload_layout, why_blocks_stay
 from engine.kv_offload.disk_store import DiskKVStore
-from engine.kv_transfer import BlockCopier
 
 logger = logging.getLogger(__name__)
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-def tier_key(model: str, dtype: torch.dtype, block_size: int, caches: list[KVCache]) -> str:
-    """Names what a payload means: the model, the dtype, the caches' shapes and (an 8-bit
-    cache's) their codes."""
-    name = Path(model.rstrip("/")).name or "model"
-    shapes = [tuple(cache.shape[1:]) for layer in caches for cache in layer]
-    codes = caches[0][0].dtype
-    meaning = (str(Path(model).resolve()), str(dtype), block_size, shapes)
-    if codes != dtype:
-        meaning += (str(codes),)
-    digest = hashlib.blake2b(repr(meaning).encode(), digest_size=8).hexdigest()
-    return f"{name}-{str(dtype).removeprefix('torch.')}-b{block_size}-{digest}"
-
 
 class DiskTier:
     def __init__(self, store: DiskKVStore, caches: list[KVCache]) -> None:
@@ -78,16 +61,12 @@ def attach_disk_tier(config: EngineConfig, block_manager: BlockManager, caches: 
     engine can keep it (one KV cache group, one tensor-parallel rank, prefix caching on)."""
     if not config.kv_offload_bytes:
         return None
-    why_not = ("prefix caching is off" if not block_manager.enable_prefix_caching else
-               "sliding-window layers drop blocks behind their window"
-               if any(group.window is not None for group in block_manager.groups) else
-               "tensor-parallel ranks each hold a share of the heads"
-               if config.tensor_parallel_size > 1 else None)
+    why_not = why_blocks_stay(config, block_manager)
     if why_not is not None:
         logger.warning("KV disk tier off: %s", why_not)
         return None
     directory = Path(config.kv_offload_dir or default_cache_dir() / "kv")
-    key = tier_key(config.model, dtype, config.block_size, caches)
+    key = payload_layout(config.model, dtype, config.block_size, caches)
     tier = DiskTier(DiskKVStore(directory, key, config.kv_offload_bytes), caches)
     block_manager.tier = tier
     logger.info("KV disk tier: %s, %d blocks (%.2f GiB of %.2f) from earlier runs",
