@@ -7,9 +7,7 @@ unknown or oversized raises FrameError, which both sides log and drop.
 
 from __future__ import annotations
 
-import array
 import math
-import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -17,15 +15,12 @@ from typing import Any, ClassVar
 import msgpack
 
 from common.sampling import SamplingParams
+from common.wire_fields import FrameError, expect, pack_token_ids, unpack_token_ids
 
 PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
 MAX_TENANT_NAME_CHARS = 256
-
-
-class FrameError(ValueError):
-    """A frame that cannot be decoded into a known message."""
 
 
 class Kind(IntEnum):
@@ -43,24 +38,6 @@ class FinishReason:
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     TIMEOUT = "timeout"  # the request's deadline passed while it ran: its output is partial
-
-
-def pack_token_ids(token_ids: list[int] | array.array) -> bytes:
-    packed = token_ids if isinstance(token_ids, array.array) else array.array("i", token_ids)
-    if sys.byteorder != "little":
-        packed = array.array("i", packed)
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_token_ids(blob: bytes) -> list[int]:
-    if not isinstance(blob, bytes) or len(blob) % 4:
-        raise FrameError("token ids must be int32 bytes")
-    unpacked = array.array("i")
-    unpacked.frombytes(blob)
-    if sys.byteorder != "little":
-        unpacked.byteswap()
-    return unpacked.tolist()
 
 
 @dataclass(slots=True)
@@ -100,25 +77,25 @@ class AddRequest:
     def from_fields(cls, request_id, prompt, sampling, arrival_time, priority, tenant,
                     tenant_weight, timeout_s, output_token_ids=b"", export_kv=False,
                     kv_skip_blocks=0) -> AddRequest:
-        _expect(request_id, str, "request_id")
-        _expect(arrival_time, float | int, "arrival_time")
-        _expect(priority, int, "priority")
-        _expect(tenant, str, "tenant")
+        expect(request_id, str, "request_id")
+        expect(arrival_time, float | int, "arrival_time")
+        expect(priority, int, "priority")
+        expect(tenant, str, "tenant")
         if len(tenant) > MAX_TENANT_NAME_CHARS:
             raise FrameError(f"tenant name longer than {MAX_TENANT_NAME_CHARS} characters")
-        _expect(tenant_weight, float | int, "tenant_weight")
+        expect(tenant_weight, float | int, "tenant_weight")
         if not (math.isfinite(tenant_weight) and tenant_weight > 0):
             raise FrameError(f"tenant_weight must be positive and finite, not {tenant_weight}")
         if timeout_s is not None:
-            _expect(timeout_s, float | int, "timeout_s")
+            expect(timeout_s, float | int, "timeout_s")
             if not (math.isfinite(timeout_s) and timeout_s > 0):
                 raise FrameError(f"timeout_s must be positive and finite, not {timeout_s}")
         try:
             params = SamplingParams.from_wire(sampling)
         except (TypeError, ValueError) as exc:
             raise FrameError(f"bad sampling params: {exc}") from exc
-        _expect(export_kv, bool, "export_kv")
-        _expect(kv_skip_blocks, int, "kv_skip_blocks")
+        expect(export_kv, bool, "export_kv")
+        expect(kv_skip_blocks, int, "kv_skip_blocks")
         if kv_skip_blocks < 0:
             raise FrameError(f"kv_skip_blocks must not be negative, not {kv_skip_blocks}")
         return cls(request_id, unpack_token_ids(prompt), params, float(arrival_time), priority,
@@ -136,9 +113,9 @@ class AbortRequests:
 
     @classmethod
     def from_fields(cls, request_ids) -> AbortRequests:
-        _expect(request_ids, list, "request_ids")
+        expect(request_ids, list, "request_ids")
         for request_id in request_ids:
-            _expect(request_id, str, "request_id")
+            expect(request_id, str, "request_id")
         return cls(request_ids)
 
 
@@ -178,12 +155,12 @@ class Ready:
     @classmethod
     def from_fields(cls, model_name, max_model_len, num_kv_blocks, block_size, eos, vocab,
                     priority_scheduling, ver) -> Ready:
-        _expect(model_name, str, "model_name")
+        expect(model_name, str, "model_name")
         for name, value in [("max_model_len", max_model_len), ("num_kv_blocks", num_kv_blocks),
                             ("block_size", block_size), ("vocab_size", vocab), ("version", ver)]:
-            _expect(value, int, name)
-        _expect(eos, list, "eos_token_ids")
-        _expect(priority_scheduling, bool, "priority_scheduling")
+            expect(value, int, name)
+        expect(eos, list, "eos_token_ids")
+        expect(priority_scheduling, bool, "priority_scheduling")
         return cls(model_name, max_model_len, num_kv_blocks, block_size, eos, vocab,
                    priority_scheduling, ver)
 
@@ -217,13 +194,13 @@ class RequestOutput:
         if not isinstance(wire, list) or len(wire) != 7:
             raise FrameError("request output must be a 7-element array")
         request_id, tokens, finish_reason, num_cached, logprobs, queue_time, embedding = wire
-        _expect(request_id, str, "request_id")
-        _expect(finish_reason, str | None, "finish_reason")
-        _expect(num_cached, int, "num_cached_tokens")
-        _expect(logprobs, list | None, "logprobs")
+        expect(request_id, str, "request_id")
+        expect(finish_reason, str | None, "finish_reason")
+        expect(num_cached, int, "num_cached_tokens")
+        expect(logprobs, list | None, "logprobs")
         if queue_time is not None:
-            _expect(queue_time, float | int, "queue_time_s")
-        _expect(embedding, bytes | None, "embedding")
+            expect(queue_time, float | int, "queue_time_s")
+        expect(embedding, bytes | None, "embedding")
         if embedding is not None and len(embedding) % 4:
             raise FrameError("embedding bytes are not float32 values")
         return cls(request_id, unpack_token_ids(tokens), finish_reason, num_cached, logprobs,
@@ -271,10 +248,10 @@ class StepStats:
             raise FrameError("bad step stats")
         *scalars, by_position = wire
         for name, value in zip(cls.__slots__, scalars, strict=False):
-            _expect(value, int | float, name)
-        _expect(by_position, list, "spec_decode_accepted_by_position_total")
+            expect(value, int | float, name)
+        expect(by_position, list, "spec_decode_accepted_by_position_total")
         for value in by_position:
-            _expect(value, int, "spec_decode_accepted_by_position_total")
+            expect(value, int, "spec_decode_accepted_by_position_total")
         return cls(*wire)
 
 
@@ -289,8 +266,8 @@ class StepOutputs:
 
     @classmethod
     def from_fields(cls, step, outputs, stats) -> StepOutputs:
-        _expect(step, int, "step")
-        _expect(outputs, list, "outputs")
+        expect(step, int, "step")
+        expect(outputs, list, "outputs")
         return cls(step, [RequestOutput.from_wire(o) for o in outputs], StepStats.from_wire(stats))
 
 
@@ -307,9 +284,9 @@ class RequestError:
 
     @classmethod
     def from_fields(cls, request_id, reason, code) -> RequestError:
-        _expect(request_id, str, "request_id")
-        _expect(reason, str, "reason")
-        _expect(code, str, "code")
+        expect(request_id, str, "request_id")
+        expect(reason, str, "reason")
+        expect(code, str, "code")
         return cls(request_id, reason, code)
 
 
@@ -330,11 +307,11 @@ class KVBlocks:
 
     @classmethod
     def from_fields(cls, request_id, layout, block_hashes) -> KVBlocks:
-        _expect(request_id, str, "request_id")
-        _expect(layout, str, "layout")
-        _expect(block_hashes, list, "block_hashes")
+        expect(request_id, str, "request_id")
+        expect(layout, str, "layout")
+        expect(block_hashes, list, "block_hashes")
         for block_hash in block_hashes:
-            _expect(block_hash, bytes, "block_hash")
+            expect(block_hash, bytes, "block_hash")
         return cls(request_id, layout, block_hashes)
 
 
@@ -385,11 +362,13 @@ def decode(frame: bytes) -> Message:
         raise FrameError(f"wrong field count for {message_type.__name__}: {exc}") from exc
 
 
-def _expect(value: Any, expected: Any, name: str) -> None:
-    if isinstance(value, bool) and expected in (int, float | int):
-        raise FrameError(f"{name} must not be a bool")
-    if not isinstance(value, expected):
-        raise FrameError(f"{name} has type {type(value).__name__}")
+def decode_message(header: bytes, num_parts: int) -> Message:
+    """A ZeroMQ message's first part decoded: KV_BLOCKS comes with its payload as a second
+    part, every other message alone."""
+    message = decode(header)
+    if num_parts != (2 if isinstance(message, KVBlocks) else 1):
+        raise FrameError(f"a {type(message).__name__} message of {num_parts} parts")
+    return message
 
 
 def refused_add_id(frame: bytes) -> str | None:

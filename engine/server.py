@@ -17,7 +17,7 @@ from common.protocol import (
     Message,
     RequestError,
     Shutdown,
-    decode,
+    decode_message,
     encode,
     refused_add_id,
 )
@@ -149,10 +149,7 @@ class EngineServer:
                 return
             frame = parts[0].bytes
             try:
-                message = decode(frame)
-                if (len(parts) == 2) != isinstance(message, KVBlocks) or len(parts) > 2:
-                    raise FrameError(f"a {type(message).__name__} message of {len(parts)} "
-                                     f"parts")
+                message = decode_message(frame, len(parts))
             except FrameError as exc:
                 self.num_bad_frames += 1
                 logger.warning("dropped a bad frame (%d so far): %s", self.num_bad_frames, exc)

@@ -235,14 +235,12 @@ class EngineClient:
         """A prefill leg's KV: relayed as is to its request's decode engine, or dropped
         when the request has none any more."""
         try:
-            message = protocol.decode(parts[0].bytes)
-            if not isinstance(message, KVBlocks) or len(parts) != 2:
-                raise protocol.FrameError(f"a {type(message).__name__} frame of "
-                                          f"{len(parts)} parts")
+            message = protocol.decode_message(parts[0].bytes, len(parts))
         except protocol.FrameError as exc:
             self._count_bad_frame()
             logger.warning("dropped a bad KV frame from engine %d: %s", self.rank, exc)
             return
+        assert isinstance(message, KVBlocks)  # the one message of two parts
         sink = self.kv_sinks.get(message.request_id)
         if sink is not None:
             sink(parts)

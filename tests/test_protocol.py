@@ -12,6 +12,7 @@ from common.protocol import (
     AddRequest,
     FrameError,
     Kind,
+    KVBlocks,
     Ready,
     RequestError,
     RequestOutput,
@@ -19,6 +20,7 @@ from common.protocol import (
     StepOutputs,
     StepStats,
     decode,
+    decode_message,
     encode,
 )
 from common.sampling import SamplingParams
@@ -131,3 +133,13 @@ def test_malformed_frames_raise_frame_error(blob):
 def test_oversized_frame_is_refused_before_unpacking():
     with pytest.raises(FrameError, match="exceeds"):
         decode(b"\x00" * (MAX_FRAME_BYTES + 1))
+
+
+def test_kv_blocks_come_with_their_payload_part_and_nothing_else_does() -> None:
+    header = encode(KVBlocks("r1", "layout", [b"\x01" * 16, b"\x02" * 16]))
+    assert decode_message(header, 2) == KVBlocks("r1", "layout", [b"\x01" * 16, b"\x02" * 16])
+    with pytest.raises(FrameError, match="KVBlocks message of 1 parts"):
+        decode_message(header, 1)
+    with pytest.raises(FrameError, match="Shutdown message of 2 parts"):
+        decode_message(encode(Shutdown()), 2)
+    assert decode_message(encode(Shutdown()), 1) == Shutdown()
