@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import aiohttp
 
 from bench.compare import machine
 from bench.launched import LoomServer
-from bench.metrics import RequestRecord
+from bench.metrics import Distribution, RequestRecord
 from bench.serve import fetch_metrics, served_model, stream_one
 
 LAYOUTS = {"colocated": ["--data-parallel-size", "2"],
@@ -57,31 +56,26 @@ class LayoutResult:
     transfer_bytes: float = 0.0
     transfer_tokens: float = 0.0
 
-    def summary(self, ttft_slo: float, itl_slo: float) -> dict[str, float | str | int]:
-        itls = sorted(i for r in self.stream_records if r.success for i in r.itls)
-        ttfts = sorted(r.ttft for r in self.long_records if r.success and r.ttft is not None)
+    def summary(self, ttft_slo: float, itl_slo: float) -> dict[str, float | str | int | None]:
+        itls = Distribution.of_seconds([i for r in self.stream_records if r.success
+                                        for i in r.itls])
+        ttft_values = [r.ttft for r in self.long_records if r.success and r.ttft is not None]
+        ttfts = Distribution.of_seconds(ttft_values)
         records = [r for r in self.stream_records + self.long_records if r.success]
         good = sum(1 for r in records if r.ttft is not None and r.ttft <= ttft_slo
                    and all(i <= itl_slo for i in r.itls))
         return {
             "layout": self.layout,
-            "stream_itl_p50_ms": 1000 * percentile(itls, 50),
-            "stream_itl_p99_ms": 1000 * percentile(itls, 99),
-            "long_ttft_p50_s": percentile(ttfts, 50),
-            "long_ttft_p99_s": percentile(ttfts, 99),
-            "long_done": len(ttfts),
+            "stream_itl_p50_ms": itls.median,
+            "stream_itl_p99_ms": itls.p99,
+            "long_ttft_p50_ms": ttfts.median,
+            "long_ttft_p99_ms": ttfts.p99,
+            "long_done": len(ttft_values),
             "failed": sum(1 for r in self.stream_records + self.long_records if not r.success),
             "goodput_rps": good / self.duration_s,
             "kv_bytes_per_token": (self.transfer_bytes / self.transfer_tokens
                                    if self.transfer_tokens else 0.0),
         }
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if q < 100 \
-        else max(values)
 
 
 async def run_layout(layout: str, args: argparse.Namespace) -> LayoutResult:

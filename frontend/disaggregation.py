@@ -96,7 +96,7 @@ class DisaggregatedStream:
             self._prefill = route.prefill.add(replace(request, sampling=first_token_only,
                                                       export_kv=True, kv_skip_blocks=held))
         except BaseException:
-            del route.prefill.kv_sinks[request.request_id]
+            self._stop_relay()
             raise
 
     def __aiter__(self) -> DisaggregatedStream:

@@ -79,8 +79,8 @@ class EnginePool:
             hashes = [prefix_hashes(prompt, self.router.block_size) for prompt in prompts]
             held_before = [[self.router.prefixes.num_blocks_held(h, rank)
                             for rank in range(len(self.clients))] for h in hashes]
-            prefill = self._choose(prompts, loads, "prefill")
-            decode = self._choose(prompts, loads, "decode")
+            prefill = self._choose(prompts, loads, hashes, "prefill")
+            decode = self._choose(prompts, loads, hashes, "decode")
             if prefill is not None and decode is not None and prefill is not decode:
                 held = {tuple(prompt): blocks[decode.rank]
                         for prompt, blocks in zip(prompts, held_before, strict=True)}
@@ -92,14 +92,14 @@ class EnginePool:
         return self.clients[rank]
 
     def _choose(self, prompts: Sequence[Sequence[int]], loads: list[float | None],
-                role: str) -> EngineClient | None:
+                hashes: list[list[int]], role: str) -> EngineClient | None:
         """The engine for one leg among the live engines of that role (or both), if any."""
         assert self.kv_roles is not None
         eligible = [load if self.kv_roles[rank] in (role, "both") else None
                     for rank, load in enumerate(loads)]
         if all(load is None for load in eligible):
             return None
-        return self.clients[self.router.choose(prompts, eligible)]
+        return self.clients[self.router.choose(prompts, eligible, hashes)]
 
     def _notice_deaths(self) -> None:
         """A dead or restarted engine holds no cached prefix: the router forgets its own."""

@@ -93,9 +93,11 @@ class Router:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, "
                              f"not {self.policy!r}")
 
-    def choose(self, prompts: Sequence[Sequence[int]], loads: Sequence[float | None]) -> int:
+    def choose(self, prompts: Sequence[Sequence[int]], loads: Sequence[float | None],
+               hashes: list[list[int]] | None = None) -> int:
         """The engine for a request of `prompts` (all go to one engine); `loads[i]` is None
-        where engine i is not serving. Raises LookupError when none is."""
+        where engine i is not serving; `hashes`: the prompts' prefix_hashes, where the caller
+        has them already. Raises LookupError when none is."""
         live = [rank for rank, load in enumerate(loads) if load is not None]
         if not live:
             raise LookupError("no engine is serving")
@@ -107,7 +109,8 @@ class Router:
         least_loaded = [rank for rank in live if loads[rank] == least]
         chosen = least_loaded[turn % len(least_loaded)]
         if self.policy == "cache_aware":
-            hashes = [prefix_hashes(prompt, self.block_size) for prompt in prompts]
+            if hashes is None:
+                hashes = [prefix_hashes(prompt, self.block_size) for prompt in prompts]
             holder = self._holder(hashes[0], loads, live, least)
             chosen = chosen if holder is None else holder
             for prompt_hashes in hashes:
