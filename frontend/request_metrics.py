@@ -32,11 +32,12 @@ class RequestTimer:
             if queue_time_s is not None:
                 self.metrics.request_queue_time.observe(queue_time_s)
             count -= 1
+            gap = 0.0  # the first token's companions came with it
         else:
             # Tokens that queued up behind a busy consumer share the gap evenly.
             gap = (now - self.last_token_at) / count
-            for _ in range(count):
-                self.metrics.inter_token_latency.observe(gap)
+        for _ in range(count):
+            self.metrics.inter_token_latency.observe(gap)
         self.last_token_at = now
 
     def finish(self, reason: str) -> None:
