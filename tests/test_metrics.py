@@ -9,6 +9,7 @@ import pytest
 from bench.metrics import parse_prometheus
 from common.protocol import StepStats
 from frontend.metrics import LoomMetrics
+from frontend.request_metrics import RequestTimer
 from tests.fake_engine import FrontendHarness
 
 EXPECTED_NAMES = [
@@ -68,6 +69,30 @@ def test_step_stats_feed_gauges_counters_and_step_times() -> None:
     assert values["loom:engine_bad_frames_total"] == 1
     assert values["loom:step_time_seconds_count"] == 2
     assert values["loom:step_time_seconds_sum"] == pytest.approx(0.03)
+
+
+def test_an_engine_is_at_rest_from_its_going_idle_report_until_its_next_step() -> None:
+    metrics = LoomMetrics()
+    at_rest = 'loom:engine_at_rest{engine="1"}'
+    metrics.observe_step(StepStats(num_running=1, step_time_s=0.01), 1)
+    assert samples(metrics)[at_rest] == 0
+    metrics.observe_step(StepStats(at_rest=True), 1)
+    assert samples(metrics)[at_rest] == 1
+    metrics.observe_step(StepStats(num_running=1, step_time_s=0.01), 1)
+    assert samples(metrics)[at_rest] == 0
+    metrics.engine_gone(1)  # a dead engine sends no report: nothing to wait for
+    assert at_rest not in samples(metrics)
+    metrics.engine_gone(1)
+
+
+def test_tokens_arriving_with_the_first_one_count_as_inter_token_gaps() -> None:
+    metrics = LoomMetrics()
+    timer = RequestTimer(metrics, num_prompt_tokens=5)
+    timer.tokens(3, queue_time_s=None)  # a spec-decoded or coalesced first frame
+    timer.tokens(2, queue_time_s=None)
+    values = samples(metrics)
+    assert values["loom:time_to_first_token_seconds_count"] == 1
+    assert values["loom:inter_token_latency_seconds_count"] == 4
 
 
 async def scrape(harness: FrontendHarness) -> dict[str, float]:
