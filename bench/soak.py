@@ -244,17 +244,22 @@ async def read_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[st
 
 
 async def wait_idle(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
-    """/metrics once the engine runs and queues nothing, and its idle check has reported."""
+    """/metrics once the engines run and queue nothing and each that stepped has reported
+    going idle (its KV check done)."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         samples = await read_metrics(session, base_url)
-        idle = (samples.get("loom:num_requests_running", 1) == 0
-                and samples.get("loom:num_requests_waiting", 1) == 0)
-        if idle or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(1.0)  # the engine's going-idle frame follows its last step
-    return await read_metrics(session, base_url)
+        if is_at_rest(samples) or time.monotonic() > deadline:
+            return samples
+        await asyncio.sleep(0.05)
+
+
+def is_at_rest(samples: dict[str, float]) -> bool:
+    reports = [value for key, value in samples.items()
+               if key.startswith("loom:engine_at_rest{")]
+    return (samples.get("loom:num_requests_running", 1) == 0
+            and samples.get("loom:num_requests_waiting", 1) == 0
+            and all(value == 1 for value in reports))
 
 
 async def first_model(session: aiohttp.ClientSession, base_url: str,

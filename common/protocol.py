@@ -17,7 +17,7 @@ import msgpack
 from common.sampling import SamplingParams
 from common.wire_fields import FrameError, expect, pack_token_ids, unpack_token_ids
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # one string field (a grammar is the largest)
 MAX_TENANT_NAME_CHARS = 256
@@ -219,6 +219,7 @@ class StepStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     kv_integrity_violations_total: int = 0  # from the check run whenever the engine idles
+    at_rest: bool = False  # the going-idle report: the check above is current, no step runs
     bad_frames_total: int = 0  # frames the engine could not decode and dropped
     # The prefix cache's disk tier (engine.kv_offload): prompt tokens it supplied, bytes and
     # seconds of its reads and writes
@@ -248,7 +249,7 @@ class StepStats:
             raise FrameError("bad step stats")
         *scalars, by_position = wire
         for name, value in zip(cls.__slots__, scalars, strict=False):
-            expect(value, int | float, name)
+            expect(value, bool if name == "at_rest" else int | float, name)
         expect(by_position, list, "spec_decode_accepted_by_position_total")
         for value in by_position:
             expect(value, int, "spec_decode_accepted_by_position_total")

@@ -116,6 +116,7 @@ class EngineServer:
         self.core.check_integrity()
         idle = self.core.idle_outputs()
         idle.stats.bad_frames_total = self.num_bad_frames
+        idle.stats.at_rest = True
         self.outputs.send(encode(idle))
 
     def _announce_on_new_links(self) -> None:

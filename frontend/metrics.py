@@ -7,6 +7,7 @@ registry, so several apps in one process (tests) never share series.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -158,6 +159,9 @@ class LoomMetrics:
                                           "Requests this engine queues.", labels)
         self.engine_kv_usage = self._gauge("engine_kv_cache_usage_perc",
                                            "This engine's KV blocks in use, 0..1.", labels)
+        self.engine_at_rest = self._gauge(
+            "engine_at_rest", "1 once this engine went idle and checked its KV accounting "
+            "(kv_integrity_violations_total is current), 0 while it steps.", labels)
         self.engine_prompt_tokens = counter("engine_prompt_tokens_total",
                                             "Prompt tokens this engine computed.", labels)
         self.engine_generation_tokens = counter("engine_generation_tokens_total",
@@ -212,6 +216,7 @@ class LoomMetrics:
         self.engine_running.labels(rank).set(stats.num_running)
         self.engine_waiting.labels(rank).set(stats.num_waiting)
         self.engine_kv_usage.labels(rank).set(stats.kv_cache_usage)
+        self.engine_at_rest.labels(rank).set(int(stats.at_rest))
         self.engine_prompt_tokens.labels(rank).inc(prompt_tokens)
         self.engine_generation_tokens.labels(rank).inc(generation_tokens)
         self.engine_prefix_cache_queries.advance_to(stats.prefix_cache_queries_total, engine)
@@ -243,6 +248,8 @@ class LoomMetrics:
         self._set_sums()
         self.engine_running.labels(str(engine)).set(0)
         self.engine_waiting.labels(str(engine)).set(0)
+        with contextlib.suppress(KeyError):  # no report to wait for until it steps again
+            self.engine_at_rest.remove(str(engine))
 
     def _set_sums(self) -> None:
         latest = self._engine_stats.values()

@@ -134,7 +134,7 @@ def test_going_idle_sends_stats_at_rest(engine_process):
     idle = decode(outputs.recv())
     assert isinstance(idle, StepOutputs) and idle.outputs == []
     assert idle.stats.num_running == 0 and idle.stats.num_waiting == 0
-    assert idle.stats.kv_integrity_violations_total == 0
+    assert idle.stats.kv_integrity_violations_total == 0 and idle.stats.at_rest
 
 
 @pytest.mark.parametrize("busy", [True, False], ids=["mid-generation", "idle"])

@@ -41,7 +41,7 @@ MESSAGES = [
     Ready("SmolLM2", 8192, 1000, 16, [2], 49152, priority_scheduling=True),
     StepOutputs(7, [RequestOutput("a", [4], None, 0, None),
                     RequestOutput("b", [5], "stop", 16, [[-0.1, [[5, -0.1], [6, -2.0]]]], 0.125)],
-                StepStats(2, 1, 0.25, 3, 100, 2, 0.05, 10, 4, 1, 2)),
+                StepStats(2, 1, 0.25, 3, 100, 2, 0.05, 10, 4, 1, True, 2)),
     StepOutputs(8, [], StepStats()),
     StepOutputs(10, [RequestOutput("e", [7], "length", 32, None, 0.5,
                                    b"\x00\x00\x80\x3f" * 3)], StepStats()),
