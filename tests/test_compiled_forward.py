@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from bench.launched import REPO_ROOT
+from common.default_model import default_cache_dir
 from engine.executor.model_runner import ModelRunner
 from engine.weights.loader import load_model
 from tests.model_fixtures import build_metadata, build_tiny_llama_dir, model_step, positions_for
@@ -79,6 +80,9 @@ def test_a_restarted_engine_loads_its_graphs_from_the_compile_cache(tmp_path) ->
     model_dir = build_tiny_llama_dir(tmp_path)
     env = {name: value for name, value in os.environ.items()
            if name != "TORCHINDUCTOR_CACHE_DIR"}
+    # Loom's own C++ kernels come built from the suite's cache (~40 s to build cold here):
+    # only inductor's cache starts empty.
+    env.setdefault("LOOM_KERNEL_CACHE", str(default_cache_dir() / "kernels"))
     env["LOOM_CACHE"] = str(tmp_path / "cache")
 
     def start() -> dict[str, int]:

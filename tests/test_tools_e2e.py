@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -167,18 +168,27 @@ def test_auto_answers_in_text_or_whole_calls_and_streams_no_empty_chunk(
     """Under "auto" the grammar leaves text free; a call once begun is whole and valid."""
     settings = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 1.0,
                 "max_completion_tokens": 100, "parallel_tool_calls": parallel}
-    for seed in range(4):
-        result = client.chat.completions.create(**settings, seed=seed).choices[0]
+
+    def whole(seed: int):
+        return client.chat.completions.create(**settings, seed=seed).choices[0]
+
+    def streamed(seed: int) -> list:
+        return list(client.chat.completions.create(**settings, seed=seed, stream=True))
+
+    seeds = range(4)
+    with ThreadPoolExecutor(max_workers=8) as pool:  # one batch, not eight requests in turn
+        results, streams = pool.map(whole, seeds), pool.map(streamed, seeds)
+        results, streams = list(results), list(streams)
+    for result in results:
         assert "<tool_call>" not in (result.message.content or "")
         calls = result.message.tool_calls or []
         assert len(calls) <= (8 if parallel else 1)
         if result.finish_reason == "tool_calls":
             for call in calls:
                 assert_valid_call(call, set(SCHEMAS))
-        stream = client.chat.completions.create(**settings, seed=seed, stream=True)
-        for chunk in stream:
-            delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason
-            assert delta.content or delta.tool_calls or finish, chunk
+    for chunk in (chunk for stream in streams for chunk in stream):
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason
+        assert delta.content or delta.tool_calls or finish, chunk
 
 
 def test_auto_reads_a_call_the_model_makes(client: openai.OpenAI) -> None:

@@ -71,11 +71,11 @@ class QuantizedLinear(nn.Module):
         """The dequantized weight in fp32: for steps above `FLOAT32_KERNEL_ROWS` tokens where a
         kernel serves fp32 (`serves_float32`), else for every step (torch's are slow in fp32)."""
         self.dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                               device=self.device)
-        self.dense.weight.data = self.dequantized_weight().to(self.device)
+                               device="meta")  # no random init to overwrite
+        self.dense.weight = nn.Parameter(self.dequantized_weight().to(self.device),
+                                         requires_grad=False)
         if self.bias is not None:
-            self.dense.bias.data = self.bias.float()
-        self.dense.requires_grad_(False)
+            self.dense.bias = nn.Parameter(self.bias.float(), requires_grad=False)
         object.__setattr__(self, "_dense_call", self.dense)
         self.kernel_rows = FLOAT32_KERNEL_ROWS if self.serves_float32 else 0
 
