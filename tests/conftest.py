@@ -43,3 +43,14 @@ def keyed_default_server(tmp_path_factory):
     launched = LaunchedServer(["--api-key", API_KEY]).start(tmp_path_factory.mktemp("logs"))
     yield launched
     assert launched.stop() == 0, launched.log
+
+
+@pytest.fixture(scope="session")
+def float32_default_server(tmp_path_factory):
+    """launch.py on the default model in fp32, shared by the e2e modules that need nothing
+    else (test_e2e, test_openai_e2e, test_utf8_e2e: one start instead of three)."""
+    from tests.launched_server import LaunchedServer
+
+    launched = LaunchedServer(["--dtype", "float32"]).start(tmp_path_factory.mktemp("logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log

@@ -17,10 +17,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    launched = LaunchedServer(["--dtype", "float32"]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+def server(float32_default_server: LaunchedServer) -> LaunchedServer:
+    return float32_default_server
 
 
 def stream_raw(server: LaunchedServer, path: str, body: dict) -> list[str]:

@@ -4,7 +4,6 @@ one server started by launch.py on the default model (SmolLM2, float32)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -21,10 +20,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    launched = LaunchedServer(["--dtype", "float32"]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+def server(float32_default_server: LaunchedServer) -> LaunchedServer:
+    return float32_default_server
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ tokenizer's decode of the generated tokens."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -59,10 +58,9 @@ def test_token_bytes_on_the_default_tokenizer(tokenizer: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    server = LaunchedServer(["--dtype", "float32"]).start(tmp_path_factory.mktemp("logs"))
-    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-    assert server.stop() == 0, server.log
+def client(float32_default_server: LaunchedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=float32_default_server.base_url + "/v1", api_key="unused",
+                         max_retries=0)
 
 
 def split_characters(token_bytes: list[bytes]) -> int:
