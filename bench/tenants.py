@@ -11,7 +11,9 @@ KEY`, Poisson arrivals of RATE requests per second, for --duration seconds (RATE
 once, --burst requests each). Against a server started with --tenants the keys pick the
 tenants; against one without (FCFS, any key) the same run gives the baseline beside it. The
 report gives, per tenant: requests done, refused (HTTP status counts), TTFT p50 / p99,
-output tokens (the server's usage counts) and its share of all output tokens.
+output tokens (the server's usage counts), its share of all output tokens, and its share in
+the window (`window`): output received while arrivals went on and every tenant still had a
+request to start. A burst (RATE `inf`) that outlasts --duration keeps a tenant saturated.
 
 To measure issue 32's fairness figures: find the server's capacity C (requests/s that
 bench.serve sustains), then run heavy at 4C and light at 0.2C against `--tenants` and
@@ -70,6 +72,7 @@ class TenantReport:
     ttft_ms: Distribution
     output_tokens: int
     window_chunks: int = 0  # streamed output chunks (~tokens) received while arrivals went on
+    # and every tenant still had requests to start (bench.tenants.backlog_end)
     output_share: float = 0.0  # of every tenant's output tokens
     window_share: float = 0.0  # of every tenant's chunks in the arrival window: the share
     # under saturation (after it, a tenant whose backlog ran out leaves the rest to others)
@@ -140,6 +143,14 @@ async def run_tenant(run: TenantRun, url: str, body: dict[str, Any], duration_s:
         await asyncio.gather(*tasks)
 
 
+def backlog_end(runs: list[TenantRun]) -> float:
+    """When the first tenant ran out of requests to start: the earliest, over tenants, of its
+    last request's first chunk. Until then every tenant had work queued (saturation, for
+    tenants sending above their share); after it the others share what it leaves."""
+    return min(max((record.chunk_times[0] for record in run.records if record.chunk_times),
+                   default=math.inf) for run in runs)
+
+
 async def run_all(args: argparse.Namespace) -> tuple[list[TenantReport], float]:
     chat = args.endpoint == CHAT_ENDPOINT
     first_key = {"Authorization": f"Bearer {args.tenant[0].key}"}  # /v1/models needs one
@@ -156,7 +167,7 @@ async def run_all(args: argparse.Namespace) -> tuple[list[TenantReport], float]:
                                       args.burst, args.seed + index, chat)
                            for index, run in enumerate(runs)))
     duration = time.perf_counter() - started
-    window_end = started + args.duration
+    window_end = min(started + args.duration, backlog_end(runs))
     return with_shares([TenantReport.of(run.load, run.records, window_end)
                         for run in runs]), duration
 

@@ -10,7 +10,16 @@ import tomllib
 import pytest
 
 from bench.metrics import RequestRecord
-from bench.tenants import TenantLoad, TenantReport, format_reports, parse_args, run_all, with_shares
+from bench.tenants import (
+    TenantLoad,
+    TenantReport,
+    TenantRun,
+    backlog_end,
+    format_reports,
+    parse_args,
+    run_all,
+    with_shares,
+)
 from frontend.tenants import parse_tenants
 from tests.fake_engine import FrontendHarness
 from tests.test_tenants import GOOD, KEY_A, KEY_B
@@ -78,3 +87,16 @@ def test_the_window_share_counts_only_chunks_received_while_arrivals_went_on():
     assert [report.window_share for report in reports] == [pytest.approx(2 / 3),
                                                           pytest.approx(1 / 3)]
     assert [report.output_share for report in reports] == [0.5, 0.5]
+
+
+def test_the_window_ends_when_the_first_tenant_has_no_request_left_to_start():
+    """After a tenant's last request started, the others share what it leaves: its output
+    share past that point says nothing of the weights."""
+    early, late = RequestRecord(0, 4), RequestRecord(0, 4)
+    early.chunk_times, late.chunk_times = [1.0, 1.1], [2.0, 2.1]
+    quick, slow = RequestRecord(0, 4), RequestRecord(0, 4)
+    quick.chunk_times, slow.chunk_times = [1.2], [5.0, 5.1]
+    runs = [TenantRun(TenantLoad("a", "k", math.inf), [early, late]),
+            TenantRun(TenantLoad("b", "j", math.inf), [quick, slow]),
+            TenantRun(TenantLoad("idle", "i", 1.0), [RequestRecord(0, 4)])]  # never answered
+    assert backlog_end(runs) == 2.0
