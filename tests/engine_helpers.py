@@ -90,23 +90,48 @@ def assert_greedy_equal_or_near_tie(actual: list[int], expected: list[int], prom
 
 
 def assert_equals_transformers_generate(outputs: dict[str, list[int]],
-                                        batch: list[AddRequest], reference) -> None:
-    """Each request's greedy output equals `reference.generate` on its prompt alone, or
-    diverges only where the reference's top two logits nearly tie."""
+                                        batch: list[AddRequest], reference,
+                                        batched: bool = False) -> None:
+    """Each request's greedy output equals `reference.generate` on its prompt alone (or, with
+    `batched`, in one left-padded generate of every prompt: one pass over the weights per
+    token for all), or diverges only where the reference's top two logits nearly tie."""
 
     def reference_logits(token_ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
             return reference(torch.tensor([token_ids])).logits[0, -1]
 
-    for request in batch:
+    expected = (generate_batched(reference, batch) if batched else
+                [generate_alone(reference, request) for request in batch])
+    for request, want in zip(batch, expected, strict=True):
+        assert_greedy_equal_or_near_tie(outputs[request.request_id], want,
+                                        request.prompt_token_ids, reference_logits)
+
+
+def generate_alone(reference, request: AddRequest) -> list[int]:
+    prompt = request.prompt_token_ids
+    with torch.no_grad():
+        return reference.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+            max_new_tokens=request.sampling.max_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def generate_batched(reference, batch: list[AddRequest]) -> list[list[int]]:
+    """Greedy `generate` of every prompt at once, left-padded (the longest max_tokens: each
+    request keeps its own first max_tokens)."""
+    longest = max(len(request.prompt_token_ids) for request in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, request in enumerate(batch):
         prompt = request.prompt_token_ids
-        with torch.no_grad():
-            expected = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                max_new_tokens=request.sampling.max_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert_greedy_equal_or_near_tie(outputs[request.request_id], expected, prompt,
-                                        reference_logits)
+        ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        mask[row, longest - len(prompt):] = 1
+    with torch.no_grad():
+        generated = reference.generate(
+            ids, attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0,
+            max_new_tokens=max(request.sampling.max_tokens for request in batch))
+    return [generated[row, longest:longest + request.sampling.max_tokens].tolist()
+            for row, request in enumerate(batch)]
 
 
 @functools.cache
