@@ -74,8 +74,8 @@ class TenantReport:
     window_chunks: int = 0  # streamed output chunks (~tokens) received while arrivals went on
     # and every tenant still had requests to start (bench.tenants.backlog_end)
     output_share: float = 0.0  # of every tenant's output tokens
-    window_share: float = 0.0  # of every tenant's chunks in the arrival window: the share
-    # under saturation (after it, a tenant whose backlog ran out leaves the rest to others)
+    window_share: float = 0.0  # of every tenant's chunks in the window: the share under
+    # saturation
 
     @classmethod
     def of(cls, load: TenantLoad, records: list[RequestRecord],

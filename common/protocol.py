@@ -8,7 +8,7 @@ unknown or oversized raises FrameError, which both sides log and drop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar
 
@@ -248,8 +248,8 @@ class StepStats:
         if not isinstance(wire, list) or len(wire) != len(cls.__slots__):
             raise FrameError("bad step stats")
         *scalars, by_position = wire
-        for name, value in zip(cls.__slots__, scalars, strict=False):
-            expect(value, bool if name == "at_rest" else int | float, name)
+        for spec, value in zip(fields(cls), scalars, strict=False):  # a flag's default: bool
+            expect(value, bool if isinstance(spec.default, bool) else int | float, spec.name)
         expect(by_position, list, "spec_decode_accepted_by_position_total")
         for value in by_position:
             expect(value, int, "spec_decode_accepted_by_position_total")

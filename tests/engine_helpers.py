@@ -101,24 +101,15 @@ def assert_equals_transformers_generate(outputs: dict[str, list[int]],
             return reference(torch.tensor([token_ids])).logits[0, -1]
 
     expected = (generate_batched(reference, batch) if batched else
-                [generate_alone(reference, request) for request in batch])
+                [generate_batched(reference, [request])[0] for request in batch])
     for request, want in zip(batch, expected, strict=True):
         assert_greedy_equal_or_near_tie(outputs[request.request_id], want,
                                         request.prompt_token_ids, reference_logits)
 
 
-def generate_alone(reference, request: AddRequest) -> list[int]:
-    prompt = request.prompt_token_ids
-    with torch.no_grad():
-        return reference.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-            max_new_tokens=request.sampling.max_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-
-
 def generate_batched(reference, batch: list[AddRequest]) -> list[list[int]]:
     """Greedy `generate` of every prompt at once, left-padded (the longest max_tokens: each
-    request keeps its own first max_tokens)."""
+    request keeps its own first max_tokens); one prompt alone has no padding."""
     longest = max(len(request.prompt_token_ids) for request in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     mask = torch.zeros(len(batch), longest, dtype=torch.long)
