@@ -1,13 +1,14 @@
 """A mixture-of-experts decode step against a dense model with as many active parameters.
 
-    python -m bench.moe_step [--batch 1,32] [--context 128] [--steps 20] [--dtype auto]
-        [--quantization none]
+    python -m bench.moe_step [--batch 1,32] [--context 128] [--steps 20] [--rounds 3]
+        [--dtype auto] [--quantization none]
 
 Both models are random-weight and built in memory (no checkpoint): a Qwen3-MoE shape of ~1B
 parameters with ~0.2B active per token (32 experts of 768 columns, 4 per token, 12 layers,
 hidden 1024), and a Qwen3 shape whose dense MLP is as wide as four experts (~0.2B). Each
 figure is the median wall time of `--steps` decode steps of `batch` requests at `context`
-tokens, through the engine's ModelRunner (routing, grouping, the GEMMs, attention).
+tokens, through the engine's ModelRunner (routing, grouping, the GEMMs, attention); the two
+models take turns, `--rounds` times, so that a noisy machine's drift falls on both.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="the two models measured alternately, this many times each")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none")
     args = parser.parse_args()
@@ -113,20 +116,24 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU flags "
           f"{kernel_flags()}, {dtype}, quantization {args.quantization}, context "
-          f"{args.context}; decode step ms (median of {args.steps})")
-    figures: dict[str, list[float]] = {}
+          f"{args.context}; decode step ms (median of {args.steps} steps, then of "
+          f"{args.rounds} alternating rounds)")
+    models = {name: build(shape, dtype, args.quantization) for name, shape in SHAPES.items()}
+    rounds: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for batch in batches:
+            for name, model in models.items():
+                rounds.setdefault((name, batch), []).append(
+                    decode_ms(model, dtype, batch, args.context, args.steps))
+    figures = {key: statistics.median(values) for key, values in rounds.items()}
     for name, shape in SHAPES.items():
         total, active = parameters(shape)
-        model = build(shape, dtype, args.quantization)
-        figures[name] = [decode_ms(model, dtype, batch, args.context, args.steps)
-                         for batch in batches]
-        del model
         print(f"{name:6} {total:.2f}B total, {active:.2f}B active: " + ", ".join(
-            f"batch {batch} {ms:.1f}" for batch, ms in zip(batches, figures[name], strict=True)),
-            flush=True)
+            f"batch {batch} {figures[name, batch]:.1f} ("
+            + " / ".join(f"{ms:.1f}" for ms in rounds[name, batch]) + ")" for batch in batches))
     print("moe / dense: " + ", ".join(
-        f"batch {batch} {moe / dense:.2f}x" for batch, moe, dense
-        in zip(batches, figures["moe"], figures["dense"], strict=True)))
+        f"batch {batch} {figures['moe', batch] / figures['dense', batch]:.2f}x"
+        for batch in batches))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.moe_int4 import kernel_serves, pack_experts, run_moe_int4, unpack_experts
 from engine.layers.moe import FusedMoE
 from engine.quantization.int4 import Int4Linear
+from engine.quantization.int4_experts import Int4Experts
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.registry import attach_dense_copies
 from engine.quantization.unquantized import PackedLinear, packing_applies, prepack_linears
@@ -48,20 +50,84 @@ def test_grouped_equals_the_per_token_loop(renormalize: bool) -> None:
         torch.testing.assert_close(moe(x), per_token(moe, x, weights), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("make", [Int8Linear, Int4Linear], ids=["int8", "int4"])
-def test_quantized_experts_answer_to_their_dequantized_weights(make: type) -> None:
+def dequantized_experts(moe: FusedMoE) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every expert's (gate/up, down) weights as the layer holds them, in float32."""
+    if moe.grouped is not None:
+        gate_up, down = moe.grouped
+        return ([gate_up.dequantized_weight(e) for e in range(EXPERTS)],
+                [down.dequantized_weight(e) for e in range(EXPERTS)])
+    return ([moe.products[2 * e].dequantized_weight() for e in range(EXPERTS)],
+            [moe.products[2 * e + 1].dequantized_weight() for e in range(EXPERTS)])
+
+
+@pytest.mark.parametrize("make, grouped", [(Int8Linear, False), (Int4Linear, False),
+                                           (Int4Linear, True)],
+                         ids=["int8", "int4-per-expert", "int4-grouped"])
+def test_quantized_experts_answer_to_their_dequantized_weights(
+        make: type, grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if grouped and not moe_int4_kernel_serves():
+        pytest.skip("the grouped int4 kernel needs AVX512-BF16")
+    if not grouped:
+        monkeypatch.setattr(Int4Experts, "serve", staticmethod(lambda layers: False))
     moe = random_moe(torch.bfloat16)
+    own = [make(weight, None).dequantized_weight() for weight in (*moe.w13, *moe.w2)]
     made = moe.replace_products(make)
     attach_dense_copies(made)
-    assert moe.w13 is None and len(made) == 2 * EXPERTS
-    dequantized = ([made[2 * e].dequantized_weight() for e in range(EXPERTS)],
-                   [made[2 * e + 1].dequantized_weight() for e in range(EXPERTS)])
-    for rows in (1, 3, 40):  # decode-sized groups run the int kernels, larger the dense copy
+    assert moe.w13 is None and (moe.grouped is not None) == grouped
+    assert len(made) == (0 if grouped else 2 * EXPERTS)  # no dense copies beside the codes
+    dequantized = dequantized_experts(moe)
+    for expert in range(EXPERTS):  # grouping keeps each expert's own codes, scales and zeros
+        assert torch.equal(dequantized[0][expert], own[expert])
+        assert torch.equal(dequantized[1][expert], own[EXPERTS + expert])
+    for rows in (1, 3, 40, 300):  # per expert: decode-sized groups, more than 8 rows
         x = torch.randn(rows, HIDDEN, dtype=torch.bfloat16)
         with torch.inference_mode():
             got = moe(x).float()
         want = per_token(moe, x, dequantized)
         assert (got - want).abs().max().item() < 0.05 * want.abs().max().item() + 1e-2
+
+
+def moe_int4_kernel_serves() -> bool:
+    return kernel_serves(torch.bfloat16, 32, 16, 32)
+
+
+def random_packed_experts(experts: int, n: int, k: int,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scales_and_zeros) of random 4-bit experts and the kernel's layout of them."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (experts, n, k), dtype=torch.uint8, generator=generator)
+    scale = torch.rand(experts, k // 32, n, generator=generator) * 0.1 + 0.01
+    zero = torch.randn(experts, k // 32, n, generator=generator) * 0.1
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).bfloat16()
+    return q, scales_and_zeros, *pack_experts(q, scales_and_zeros)
+
+
+def test_grouped_int4_kernel_is_float_math_on_the_codes_and_rows_keep_their_bits() -> None:
+    if not moe_int4_kernel_serves():
+        pytest.skip("the grouped int4 kernel needs AVX512-BF16")
+    experts, n, k = 6, 96, 128  # 6 tiles: spans of 4, 2 and 1 tiles
+    q, scales_and_zeros, codes, scales = random_packed_experts(experts, n, k)
+    unpacked = unpack_experts(codes, scales)
+    assert torch.equal(unpacked[0], q) and torch.equal(unpacked[1], scales_and_zeros)
+    counts = torch.tensor([1, 0, 2, 3, 9, 20])  # every rows-per-call template, > 8 in blocks
+    starts = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+    x = torch.randn(int(counts.sum()), k).bfloat16()
+    y = run_moe_int4(x, starts, codes, scales)
+    scale, zero = (part.transpose(1, 2).repeat_interleave(32, 2)
+                   for part in scales_and_zeros.float().unbind(-1))
+    weights = (q.float() - 8) * scale + zero
+    for expert in range(experts):
+        rows = slice(int(starts[expert]), int(starts[expert + 1]))
+        want = x[rows].float() @ weights[expert].T
+        # bf16 output: at most half a unit in the last place, plus fp32 sums' noise
+        assert ((y[rows].float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
+        alone = torch.zeros(experts + 1, dtype=torch.int64)
+        alone[expert + 1:] = rows.stop - rows.start
+        for row in range(rows.start, rows.stop):
+            one = torch.zeros(experts + 1, dtype=torch.int64)
+            one[expert + 1:] = 1
+            assert torch.equal(run_moe_int4(x[row:row + 1], one, codes, scales), y[row:row + 1])
+        assert torch.equal(run_moe_int4(x[rows], alone, codes, scales), y[rows])
 
 
 def test_experts_are_packed_where_linears_are_and_compute_the_same() -> None:

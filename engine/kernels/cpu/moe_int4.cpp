@@ -1,0 +1,205 @@
+// Routed experts' 4-bit weights times their tokens, every expert in one call: rows of x come
+// grouped by expert (rows start[e] .. start[e + 1] go to expert e) and each expert's weight is
+// W = (q - 8)·s + z per group of 32 input channels (the int4 layer's codes, q in 0..15), s and
+// z in bf16. Activations and outputs are bf16; products and sums run on `vdpbf16ps`.
+//
+// A code becomes a bf16 with one bit operation: 0x3F80 | q << 3 is 1 + q/16 exactly, so
+// Σ_k W·x = Σ_g 16·s_g·Σ_k∈g (1 + q/16)·x + (z_g - 24·s_g)·Σ_k∈g x. Each product of the dot
+// is exact in fp32; x's per-group sums are taken once per row.
+//
+// Output channels lie across the lanes, 16 to a tile; two adjacent input channels per lane
+// (the instruction's pairs). Codes are laid out per (expert, tile, group) as 8 chunks of 32
+// bytes, chunk c covering input channels 4c .. 4c + 3 of the group: byte i holds channel
+// i / 2 of the tile at input 4c + i % 2 in its low nibble and at 4c + 2 + i % 2 in its high
+// one. Scales and zeros: per (expert, tile, group) 16 scales then 16 zeros.
+//
+// A row's sums run in one order whatever shares the call (no split over k, each row's
+// accumulators its own): a row's bits never depend on the other rows.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 16;                // output channels per tile
+constexpr int64_t kGroupBytes = 256;         // one tile's codes of one group
+constexpr int64_t kTilesPerTask = 8;
+constexpr int64_t kPrefetchGroups = 4;
+
+struct Problem {
+  const uint16_t* x;         // [rows, k] bf16
+  const float* group_sums;   // [rows, k / 32]
+  const uint8_t* codes;      // [experts, n / 16, k / 32, 256]
+  const uint16_t* scales;    // [experts, n / 16, k / 32, 2, 16] bf16
+  uint16_t* y;               // [rows, n] bf16
+  int64_t n, k;
+  int64_t groups() const { return k / kGroup; }
+  int64_t tiles() const { return n / kTile; }
+};
+
+inline __m512 bf16_to_float(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512bh pair(const uint16_t* x, int64_t index) {  // x[2i], x[2i + 1] in every lane
+  return (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(x)[index]);
+}
+
+// One group's dot products for tiles [tile, tile + T) and rows [row, row + R): out[t][r], the
+// 16 sums Σ_k∈g (128 + q)·x of tile t's channels for row r.
+template <int T, int R>
+void group_dots(const Problem& p, int64_t expert, int64_t tile, int64_t row, int64_t g,
+                __m512* out) {
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F), exponent = _mm512_set1_epi16(0x4300);
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  if (g + kPrefetchGroups < p.groups())
+    for (int t = 0; t < T; ++t) {
+      const char* ahead = reinterpret_cast<const char*>(
+          p.codes + ((expert * p.tiles() + tile + t) * p.groups() + g + kPrefetchGroups) *
+                        kGroupBytes);
+      for (int line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+  for (int c = 0; c < 8; ++c) {
+    __m512bh low[T], high[T];  // every tile's codes first, then each row's pair once
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* chunk =
+          p.codes + ((expert * p.tiles() + tile + t) * p.groups() + g) * kGroupBytes + c * 32;
+      const __m512i bytes =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+      low[t] = (__m512bh)_mm512_ternarylogic_epi32(bytes, low_nibble, exponent, 0xEA);
+      high[t] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = p.x + (row + r) * p.k + g * kGroup;
+      const __m512bh even = pair(xr, 2 * c), odd = pair(xr, 2 * c + 1);
+      for (int t = 0; t < T; ++t) {
+        acc[t][r] = _mm512_dpbf16_ps(acc[t][r], low[t], even);
+        acc[t][r] = _mm512_dpbf16_ps(acc[t][r], high[t], odd);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) _mm512_store_ps(reinterpret_cast<float*>(out + t * R + r), acc[t][r]);
+}
+
+// Tiles [tile, tile + T) of one expert for rows [row, row + R): y's 16·T channels. The
+// groups' dot products go through memory a few groups at a time, so that the registers hold
+// T·R sums while they run and T·R totals while the scales apply.
+template <int T, int R>
+void block(const Problem& p, int64_t expert, int64_t tile, int64_t row) {
+  constexpr int64_t kGroupsPerPass = 8;
+  const int64_t groups = p.groups();
+  __m512 total[T][R], dots[kGroupsPerPass][T * R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) total[t][r] = _mm512_setzero_ps();
+  for (int64_t first = 0; first < groups; first += kGroupsPerPass) {
+    const int64_t count = std::min(kGroupsPerPass, groups - first);
+    for (int64_t i = 0; i < count; ++i) group_dots<T, R>(p, expert, tile, row, first + i, dots[i]);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t g = first + i;
+      for (int t = 0; t < T; ++t) {
+        const uint16_t* sz =
+            p.scales + ((expert * p.tiles() + tile + t) * groups + g) * 2 * kTile;
+        const __m512 scale = bf16_to_float(sz), zero = bf16_to_float(sz + kTile);
+        const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(136.f), zero);
+        for (int r = 0; r < R; ++r) {
+          const __m512 sum = _mm512_set1_ps(p.group_sums[(row + r) * groups + g]);
+          total[t][r] = _mm512_fmadd_ps(dots[i][t * R + r], scale, total[t][r]);
+          total[t][r] = _mm512_fmadd_ps(sum, offset, total[t][r]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.y + (row + r) * p.n + (tile + t) * kTile),
+                          (__m256i)_mm512_cvtneps_pbh(total[t][r]));
+}
+
+// Tiles taken at once: enough independent sums to hide vdpbf16ps's latency with few rows,
+// at most 16 sums (registers) with many.
+inline int64_t tiles_at_once(int64_t rows) { return rows == 1 ? 8 : rows <= 4 ? 4 : 2; }
+
+template <int T, int R>
+void block_if_fits(const Problem& p, int64_t expert, int64_t tile, int64_t row) {
+  if constexpr (T == 1 || T * R <= 16) block<T, R>(p, expert, tile, row);
+}
+
+template <int T>
+void span(const Problem& p, int64_t expert, int64_t tile, int64_t row, int64_t rows) {
+  switch (rows) {
+    case 1: return block_if_fits<T, 1>(p, expert, tile, row);
+    case 2: return block_if_fits<T, 2>(p, expert, tile, row);
+    case 3: return block_if_fits<T, 3>(p, expert, tile, row);
+    case 4: return block_if_fits<T, 4>(p, expert, tile, row);
+    case 5: return block_if_fits<T, 5>(p, expert, tile, row);
+    case 6: return block_if_fits<T, 6>(p, expert, tile, row);
+    case 7: return block_if_fits<T, 7>(p, expert, tile, row);
+    default: return block_if_fits<T, 8>(p, expert, tile, row);
+  }
+}
+
+// Tiles [first, last) of one expert for its rows [begin, end), 8 rows at a time.
+void task(const Problem& p, int64_t expert, int64_t first, int64_t last, int64_t begin,
+          int64_t end) {
+  for (int64_t row = begin; row < end; row += 8) {
+    const int64_t rows = std::min<int64_t>(8, end - row);
+    const int64_t width = tiles_at_once(rows);
+    int64_t tile = first;
+    for (; tile + width <= last; tile += width) {
+      if (width == 8) span<8>(p, expert, tile, row, rows);
+      else if (width == 4) span<4>(p, expert, tile, row, rows);
+      else span<2>(p, expert, tile, row, rows);
+    }
+    for (; tile < last; ++tile) span<1>(p, expert, tile, row, rows);
+  }
+}
+
+}  // namespace
+
+extern "C" int loom_moe_int4_available() { return 1; }
+
+// y [rows, n] = for each expert e, x[start[e]:start[e + 1]] times its weight transposed (see
+// the top). 1 when the shapes are out of range.
+extern "C" int loom_moe_int4(const uint16_t* x, int64_t rows, const int64_t* start,
+                             int64_t experts, const uint8_t* codes, const uint16_t* scales,
+                             uint16_t* y, int64_t n, int64_t k, int threads) {
+  if (rows < 0 || k % kGroup || n % kTile || start[0] != 0 || start[experts] != rows) return 1;
+  const int64_t groups = k / kGroup;
+  std::vector<float> group_sums(rows * groups, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i)
+        sum += __builtin_bit_cast(float, uint32_t(x[r * k + g * kGroup + i]) << 16);
+      group_sums[r * groups + g] = sum;
+    }
+  const Problem p{x, group_sums.data(), codes, scales, y, n, k};
+  struct Task { int64_t expert, first, last; };
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (start[e + 1] < start[e]) return 1;
+    if (start[e + 1] == start[e]) continue;
+    for (int64_t first = 0; first < p.tiles(); first += kTilesPerTask)
+      tasks.push_back({e, first, std::min(p.tiles(), first + kTilesPerTask)});
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (size_t i = 0; i < tasks.size(); ++i)
+    task(p, tasks[i].expert, tasks[i].first, tasks[i].last, start[tasks[i].expert],
+         start[tasks[i].expert + 1]);
+  return 0;
+}
+#else
+extern "C" int loom_moe_int4_available() { return 0; }
+extern "C" int loom_moe_int4(const uint16_t*, int64_t, const int64_t*, int64_t, const uint8_t*,
+                             const uint16_t*, uint16_t*, int64_t, int64_t, int) {
+  return 2;
+}
+#endif

@@ -1,0 +1,89 @@
+"""A C++/OpenMP kernel for routed experts' 4-bit weights on CPUs with AVX512-BF16
+(`kernels/cpu/moe_int4.cpp`): one call multiplies every expert's rows (grouped by expert) by
+that expert's codes, bf16 in and out, products on `vdpbf16ps`. It replaces a Python loop of
+small per-expert GEMMs and the packed bf16 copies they needed for larger batches: a step
+reads each touched expert's half-byte codes once. Built once by `engine.kernels.build`; where
+it cannot be built (or the CPU lacks AVX512-BF16) the experts stay per-expert layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.kernels.build import I64, INT, PTR, kernel_enabled, load_library
+
+GROUP = 32  # input channels per scale and zero
+TILE = 16  # output channels per tile: one vector of fp32 sums
+
+
+def kernel_serves(dtype: torch.dtype, group_size: int, n: int, k: int) -> bool:
+    """bf16 activations, groups of 32, whole tiles, and a kernel built with AVX512-BF16."""
+    return (dtype == torch.bfloat16 and group_size == GROUP and n % TILE == 0 and k % GROUP == 0
+            and load_moe_int4_kernel() is not None)
+
+
+def pack_experts(codes: torch.Tensor, scales_and_zeros: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout (see moe_int4.cpp) of q [E, n, k] in 0..15 and scales_and_zeros
+    [E, k / 32, n, 2] (bf16, W = (q - 8)·s + z): (codes uint8 [E, n / 16, k / 32, 256],
+    scales bf16 [E, n / 16, k / 32, 2, 16])."""
+    experts, n, k = codes.shape
+    groups, tiles = k // GROUP, n // TILE
+    # k = 32·group + 4·chunk + 2·nibble + pair; a byte holds (channel, pair) of one chunk.
+    q = codes.to(torch.uint8).reshape(experts, tiles, TILE, groups, 8, 2, 2)
+    q = q.permute(0, 1, 3, 4, 2, 6, 5)  # expert, tile, group, chunk, channel, pair, nibble
+    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(experts, tiles, groups, 256).contiguous()
+    scales = scales_and_zeros.to(torch.bfloat16).reshape(experts, groups, tiles, TILE, 2)
+    scales = scales.permute(0, 2, 1, 4, 3).contiguous()  # expert, tile, group, s/z, channel
+    return packed, scales
+
+
+def unpack_experts(codes: torch.Tensor, scales: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_experts`."""
+    experts, tiles, groups = codes.shape[:3]
+    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1)
+    q = nibbles.reshape(experts, tiles, groups, 8, TILE, 2, 2).permute(0, 1, 4, 2, 3, 6, 5)
+    q = q.reshape(experts, tiles * TILE, groups * GROUP)
+    scales_and_zeros = scales.permute(0, 2, 1, 4, 3).reshape(experts, groups, tiles * TILE, 2)
+    return q, scales_and_zeros
+
+
+def run_moe_int4(x: torch.Tensor, starts: torch.Tensor, codes: torch.Tensor,
+                 scales: torch.Tensor) -> torch.Tensor:
+    """y [rows, n] bf16: rows starts[e] .. starts[e + 1] of x (bf16 [rows, k]) times expert
+    e's weight transposed; codes and scales as `pack_experts` makes them, starts int64
+    [E + 1]."""
+    kernel = load_moe_int4_kernel()
+    assert kernel is not None
+    x = x.contiguous()
+    experts, tiles, groups = codes.shape[:3]
+    n, k = tiles * TILE, groups * GROUP
+    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k
+            or starts.dtype != torch.int64 or starts.shape != (experts + 1,)):
+        raise ValueError(f"moe int4: x {tuple(x.shape)} {x.dtype}, starts "
+                         f"{tuple(starts.shape)} {starts.dtype} against {experts} experts of "
+                         f"{n} x {k}")
+    y = x.new_empty((x.shape[0], n))
+    status = kernel(x.data_ptr(), x.shape[0], starts.data_ptr(), experts, codes.data_ptr(),
+                    scales.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"the moe int4 kernel refused its arguments ({status})")
+    return y
+
+
+@functools.cache
+def load_moe_int4_kernel() -> ctypes._CFuncPtr | None:
+    """Compile (once, cached on disk) and load the kernel; None where it cannot be built, was
+    built without AVX512-BF16, or LOOM_CPU_MOE_KERNEL=0."""
+    if not kernel_enabled("LOOM_CPU_MOE_KERNEL"):
+        return None
+    library = load_library("moe_int4", "per-expert layers", {
+        "loom_moe_int4_available": ([], ctypes.c_int),
+        "loom_moe_int4": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, INT], ctypes.c_int)})
+    if library is None or not library.loom_moe_int4_available():
+        return None
+    return library.loom_moe_int4
