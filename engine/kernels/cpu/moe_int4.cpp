@@ -27,7 +27,6 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;                // output channels per tile
 constexpr int64_t kGroupBytes = 256;         // one tile's codes of one group
-constexpr int64_t kTilesPerTask = 8;
 constexpr int64_t kPrefetchGroups = 4;
 
 struct Problem {
@@ -59,13 +58,15 @@ void group_dots(const Problem& p, int64_t expert, int64_t tile, int64_t row, int
   __m512 acc[T][R];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-  if (g + kPrefetchGroups < p.groups())
-    for (int t = 0; t < T; ++t) {
-      const char* ahead = reinterpret_cast<const char*>(
-          p.codes + ((expert * p.tiles() + tile + t) * p.groups() + g + kPrefetchGroups) *
-                        kGroupBytes);
-      for (int line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    }
+  // Codes kPrefetchGroups groups ahead; near a span's end, the next span's first groups
+  // (prefetching past the array's end is harmless: it never faults).
+  const int64_t ahead = g + kPrefetchGroups + (g + kPrefetchGroups >= p.groups()) * (T - 1) *
+                                                  p.groups();
+  for (int t = 0; t < T; ++t) {
+    const char* line = reinterpret_cast<const char*>(
+        p.codes + ((expert * p.tiles() + tile + t) * p.groups() + ahead) * kGroupBytes);
+    for (int offset = 0; offset < kGroupBytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T0);
+  }
   for (int c = 0; c < 8; ++c) {
     __m512bh low[T], high[T];  // every tile's codes first, then each row's pair once
     for (int t = 0; t < T; ++t) {
@@ -149,16 +150,22 @@ void span(const Problem& p, int64_t expert, int64_t tile, int64_t row, int64_t r
 // Tiles [first, last) of one expert for its rows [begin, end), 8 rows at a time.
 void task(const Problem& p, int64_t expert, int64_t first, int64_t last, int64_t begin,
           int64_t end) {
-  for (int64_t row = begin; row < end; row += 8) {
-    const int64_t rows = std::min<int64_t>(8, end - row);
+  const int64_t blocks = (end - begin + 7) / 8;  // as even as can be: 10 rows are 5 + 5
+  for (int64_t b = 0, row = begin; b < blocks; ++b) {
+    const int64_t rows = (end - row) / (blocks - b);
+    const int64_t next = row + rows;
     const int64_t width = tiles_at_once(rows);
     int64_t tile = first;
     for (; tile + width <= last; tile += width) {
-      if (width == 8) span<8>(p, expert, tile, row, rows);
-      else if (width == 4) span<4>(p, expert, tile, row, rows);
-      else span<2>(p, expert, tile, row, rows);
+      switch (width) {
+        case 8: span<8>(p, expert, tile, row, rows); break;
+        case 4: span<4>(p, expert, tile, row, rows); break;
+        case 2: span<2>(p, expert, tile, row, rows); break;
+        default: span<1>(p, expert, tile, row, rows);
+      }
     }
     for (; tile < last; ++tile) span<1>(p, expert, tile, row, rows);
+    row = next;
   }
 }
 
@@ -183,12 +190,18 @@ extern "C" int loom_moe_int4(const uint16_t* x, int64_t rows, const int64_t* sta
     }
   const Problem p{x, group_sums.data(), codes, scales, y, n, k};
   struct Task { int64_t expert, first, last; };
-  std::vector<Task> tasks;
+  int64_t active = 0;
   for (int64_t e = 0; e < experts; ++e) {
     if (start[e + 1] < start[e]) return 1;
+    active += start[e + 1] > start[e];
+  }
+  // Long tasks (fewer cold starts of the codes' streams), yet several per thread.
+  const int64_t per_task = std::clamp<int64_t>(p.tiles() * active / (4 * threads), 8, 32);
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < experts; ++e) {
     if (start[e + 1] == start[e]) continue;
-    for (int64_t first = 0; first < p.tiles(); first += kTilesPerTask)
-      tasks.push_back({e, first, std::min(p.tiles(), first + kTilesPerTask)});
+    for (int64_t first = 0; first < p.tiles(); first += per_task)
+      tasks.push_back({e, first, std::min(p.tiles(), first + per_task)});
   }
 #pragma omp parallel for num_threads(threads) schedule(dynamic)
   for (size_t i = 0; i < tasks.size(); ++i)
