@@ -12,6 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.gguf_model import prepare_gguf
+from engine.kernels.moe_int4 import kernel_serves as moe_int4_kernel_serves
+from engine.layers.moe import FusedMoE
+from engine.quantization.int4 import Int4Linear
+from engine.quantization.q8_0 import Q8_0Linear
 from engine.weights.loader import load_model
 from tests.model_fixtures import TINY_LLAMA, build_tiny_hf_model
 from tests.test_engine import prompt_of
@@ -124,17 +128,16 @@ def gguf_tensors_of(hf_model: torch.nn.Module, architecture: str) -> dict[str, n
     return out
 
 
-@pytest.mark.parametrize("case", MORE_CASES)
-def test_stacked_experts_and_fused_phi3_weights_equal_the_source_model(
-        case: str, tmp_path: Path) -> None:
+def write_more_gguf(path: Path, case: str, hf_model: torch.nn.Module,
+                    expert_type: str | None = None) -> None:
+    """A MORE_CASES model as llama.cpp writes it; its stacked experts quantized to
+    `expert_type` (gguf's own quantizer) where one is given."""
     import gguf
 
     model_type, overrides = MORE_CASES[case]
     architecture = "llama" if case == "llama-moe" else case
-    hf_model = build_tiny_hf_model(model_type, **overrides)
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    path = tmp_path / f"tiny-{case}.gguf"
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -159,11 +162,25 @@ def test_stacked_experts_and_fused_phi3_weights_equal_the_source_model(
         tensors["rope_factors_long.weight"] = np.array(scaling["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.array(scaling["short_factor"], np.float32)
     for name, weight in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(weight))
+        weight = np.ascontiguousarray(weight)
+        if expert_type is not None and "_exps." in name:
+            kind = gguf.GGMLQuantizationType[expert_type]
+            writer.add_tensor(name, gguf.quants.quantize(weight, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@pytest.mark.parametrize("case", MORE_CASES)
+def test_stacked_experts_and_fused_phi3_weights_equal_the_source_model(
+        case: str, tmp_path: Path) -> None:
+    model_type, overrides = MORE_CASES[case]
+    hf_model = build_tiny_hf_model(model_type, **overrides)
+    path = tmp_path / f"tiny-{case}.gguf"
+    write_more_gguf(path, case, hf_model)
     model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
     ours = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert ours.config.model_type == model_type
@@ -171,3 +188,50 @@ def test_stacked_experts_and_fused_phi3_weights_equal_the_source_model(
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]
     assert (prefill_logits(ours, prompt) - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("case, expert_type", [("qwen3moe", "Q4_0"), ("llama-moe", "Q4_1"),
+                                               ("qwen3moe", "Q8_0")])
+def test_quantized_stacked_experts_keep_the_files_codes(case: str, expert_type: str,
+                                                        tmp_path: Path) -> None:
+    """A Qwen3-MoE or Mixtral GGUF's quantized experts load as their codes (no float copy of
+    them), decode exactly as the file's own dequantization, and the model's logits are float
+    math on those weights, both where the kernels read the codes (a few rows per expert) and
+    where a prefill's many rows take the dense copy."""
+    model_type, overrides = MORE_CASES[case]
+    hf_model = build_tiny_hf_model(model_type, **overrides)
+    path = tmp_path / f"tiny-{case}.gguf"
+    write_more_gguf(path, case, hf_model, expert_type)
+    model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
+    cpu = torch.device("cpu")
+    ours = load_model(model_dir, torch.float32, cpu)
+    floats = load_model(model_dir, torch.float32, cpu, quantization="none")
+    kind = Q8_0Linear if expert_type == "Q8_0" else Int4Linear
+    theirs_by_name = dict(floats.named_modules())
+    pairs = [(mine, theirs_by_name[name]) for name, mine in ours.named_modules()
+             if isinstance(mine, FusedMoE)]
+    assert pairs
+    for mine, theirs in pairs:
+        assert mine.w13 is None and mine.products is not None  # fp32: a layer per expert
+        for expert in range(mine.num_experts):
+            gate_up, down = mine.products[2 * expert], mine.products[2 * expert + 1]
+            assert isinstance(gate_up, kind) and isinstance(down, kind)
+            assert torch.equal(gate_up.dequantized_weight(), theirs.w13[expert])
+            assert torch.equal(down.dequantized_weight(), theirs.w2[expert])
+    for prompt in (prompt_of(3, 7), prompt_of(60, 5)):
+        want = prefill_logits(floats, prompt)
+        assert (prefill_logits(ours, prompt) - want).abs().max().item() < 1e-4
+    if expert_type == "Q8_0" or not moe_int4_kernel_serves(torch.bfloat16, 32, 16, 32):
+        return
+    # bf16 on AVX512-BF16: every expert set is one grouped int4 weight, no layer per expert
+    grouped = load_model(model_dir, torch.bfloat16, cpu)
+    for name, moe in grouped.named_modules():
+        if isinstance(moe, FusedMoE):
+            assert moe.grouped is not None and moe.products is None
+            held = theirs_by_name[name].w13[1], moe.grouped[0].dequantized_weight(1)
+            assert (held[0] - held[1]).abs().max() <= held[0].abs().max() * 2 ** -7
+    bf16_floats = load_model(model_dir, torch.bfloat16, cpu, quantization="none")
+    for prompt in (prompt_of(3, 7), prompt_of(60, 5)):  # bf16 math: a row's error, typically
+        want = prefill_logits(bf16_floats, prompt).float()
+        rows_error = (prefill_logits(grouped, prompt).float() - want).abs().amax(dim=1)
+        assert rows_error.median().item() < 0.02 * want.abs().max().item()

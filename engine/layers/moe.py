@@ -72,14 +72,18 @@ class FusedMoE(nn.Module):
     def replace_products(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
                          ) -> list[nn.Module]:
         """Each expert's gate/up and down weights become `make(weight, None)` (packed or
-        quantized, engine.quantization), once; returns the new modules. Where the grouped
-        kernel serves what `make` made, they become two `Int4Experts` instead (and none is
-        returned: there is nothing left to attach a dense copy to)."""
+        quantized, engine.quantization), once; returns what `hold_products` returns."""
         if self.products is not None or self.grouped is not None:
             return []
+        return self.hold_products([make(weights[expert], None)
+                                   for expert in range(self.num_experts)
+                                   for weights in (self.w13, self.w2)])
+
+    def hold_products(self, made: list[nn.Module]) -> list[nn.Module]:
+        """Takes every expert's layers (gate/up, down, expert after expert) in place of the
+        float weights; returns them, or none where the grouped kernel serves them and they
+        became two `Int4Experts` (nothing is left to attach a dense copy to)."""
         self.gate.pack()
-        made = [make(weights[expert], None) for expert in range(self.num_experts)
-                for weights in (self.w13, self.w2)]
         self.w13 = self.w2 = None  # type: ignore[assignment]
         if Int4Experts.serve(made):
             self.grouped = nn.ModuleList([Int4Experts(made[0::2]), Int4Experts(made[1::2])])

@@ -13,6 +13,9 @@ int8 codes q - 32 with a scale per 16 (`q6_k_codes`; their 32-blocked neighbours
 linear repeat each scale twice). llama.cpp writes Q5_0 where a K-quant's 256-wide
 super-blocks do not fit a row (Gemma 3 270M's 640-wide inputs). A tied output projection
 is made from the embedding's codes, the embedding itself staying float for the lookup.
+Routed experts stacked as llama.cpp writes them (`ffn_{gate,up,down}_exps`, all Q4 or all
+int8 codes) keep their codes too, a layer per expert (`expert_layers`), or one grouped int4
+weight per projection where that kernel serves (engine.layers.moe).
 Other quantized types (Q5_K, Q2_K, ...) stay float, named in one warning line.
 """
 
@@ -34,6 +37,7 @@ from common.gguf_convert import (
     unpermute_if_rotary,
 )
 from engine.layers.linear import LinearBase
+from engine.layers.moe import FusedMoE
 from engine.quantization.base import QuantizedLinear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.q8_0 import Q8_0Linear
@@ -61,13 +65,15 @@ def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
 
 def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[GGUFTensor]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
-    codes it will hold: every linear the model declares whose tensors are all 4-bit
-    (INT4_TYPES) or all int8 codes (INT8_TYPES), and the output projection (the embedding's
-    codes, if tied)."""
+    codes it will hold: every linear the model declares and every set of routed experts
+    (llama.cpp's stacked `ffn_*_exps`) whose tensors are all 4-bit (INT4_TYPES) or all int8
+    codes (INT8_TYPES), and the output projection (the embedding's codes, if tied)."""
     by_name = {hf_tensor_name(tensor.name, model.config.model_type): tensor for tensor in tensors
                if tensor.name not in CONFIG_TENSORS}
     candidates = {name: linear_checkpoint_names(name, module)
                   for name, module in model.named_modules() if isinstance(module, LinearBase)}
+    candidates.update({name: [f"{name}.experts.{{}}.{part}.weight" for part in module.expert_parts]
+                       for name, module in model.named_modules() if isinstance(module, FusedMoE)})
     candidates["lm_head"] = ["model.embed_tokens.weight" if model.lm_head is None
                              else "lm_head.weight"]
     groups = {module: [by_name[name] for name in names] for module, names in candidates.items()}
@@ -88,13 +94,18 @@ def codes_only(groups: dict[str, list[GGUFTensor]]) -> frozenset[str]:
                      if member.name != TIED_EMBEDDING)
 
 
+def stacked_rows(tensor: Any) -> int:
+    """Rows of a tensor's codes: its output channels, of every expert where experts stack."""
+    return int(np.prod([int(dim) for dim in tensor.shape[1:]]))
+
+
 def q4_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q uint8 [N, K] in 0..15, scale float32 [N, K/32], zero float32 [N, K/32]) of a Q4_0,
     Q4_1 or Q4_K tensor, W = (q - 8)·scale + zero."""
     if tensor.tensor_type.name == "Q4_K":
         return _q4_k_codes(tensor)
     kind = tensor.tensor_type.name
-    rows = int(tensor.shape[1])
+    rows = stacked_rows(tensor)
     head = 4 if kind == "Q4_1" else 2  # fp16 d (and m), then 16 bytes of codes
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, head + GGUF_BLOCK // 2)
     halves = blocks[..., :head].copy().view(np.float16).astype(np.float32)
@@ -110,7 +121,7 @@ def _q4_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_K super-block (256 weights: fp16 d and dmin, twelve bytes of 6-bit scales and
     mins, 128 bytes of codes) is eight groups of 32 with W = d·sc·q - dmin·m: group scale
     d·sc, zero at code 8 of 8·d·sc - dmin·m."""
-    rows = int(tensor.shape[1])
+    rows = stacked_rows(tensor)
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 144)
     d, dmin = (blocks[..., i:i + 2].copy().view(np.float16).astype(np.float32)[..., 0]
                for i in (0, 2))
@@ -142,7 +153,7 @@ def q6_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
     """A Q6_K super-block (256 weights: 128 bytes of low nibbles, 64 of high bit pairs, 16
     int8 sub-block scales, fp16 d) as int8 codes q - 32 in -32..31 with a scale d·sc per 16:
     W = d·sc·(q - 32)."""
-    rows = int(tensor.shape[1])
+    rows = stacked_rows(tensor)
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 210)
     low, high = blocks[..., :128], blocks[..., 128:192]
     sub_scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
@@ -161,7 +172,7 @@ def q6_k_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
 def q5_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
     """A Q5_0 block (fp16 d, 4 bytes of fifth bits, 16 bytes of low nibbles) as int8 codes
     q - 16 in -16..15 with the block's d: W = (q - 16)·d."""
-    rows = int(tensor.shape[1])
+    rows = stacked_rows(tensor)
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 2 + 4 + GGUF_BLOCK // 2)
     scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
     high_bits = blocks[..., 2:6].copy().view(np.uint32)  # bit j: the fifth bit of code j
@@ -176,7 +187,7 @@ def q5_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
 def q8_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
     """(q int8 [N, K], d float32 [N, K/32]) of a Q8_0 tensor (blocks: fp16 d, 32 int8 codes),
     W = q·d."""
-    rows = int(tensor.shape[1])
+    rows = stacked_rows(tensor)
     blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 2 + GGUF_BLOCK)
     scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
     q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
@@ -191,34 +202,61 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     types served as float instead."""
     made: list[QuantizedLinear] = []
     model_type = config["model_type"]
+    expert_sets = 0
     for module_name, members in groups.items():
         is_q8 = members[0].tensor_type.name in INT8_TYPES
         block = 16 if any(member.tensor_type.name == "Q6_K" for member in members) else 32
         codes = [[unpermute_if_rotary(hf_tensor_name(member.name, model_type), array, config)
                   for array in (int8_codes(member, block) if is_q8 else q4_codes(member))]
                  for member in members]
-        arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         declared = getattr(parent, attribute)
+        if isinstance(declared, FusedMoE):
+            made.extend(declared.hold_products(expert_layers(declared, codes, is_q8, dtype)))
+            expert_sets += 1
+            continue
+        arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
         bias = getattr(declared, "bias", None)
         made.append(Q8_0Linear(*arrays, bias, dtype) if is_q8
                     else Int4Linear.from_codes(*arrays, bias, dtype))
         setattr(parent, attribute,
                 declared.wrap(made[-1]) if isinstance(declared, LinearBase) else made[-1])
     kept = {member.name for members in groups.values() for member in members}
-    _log_kept(tensors, kept, len(made))
+    _log_kept(tensors, kept, len(groups) - expert_sets, expert_sets)
     return made
 
 
-def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int) -> None:
+def expert_layers(moe: FusedMoE, codes: list[list[np.ndarray]], is_q8: bool,
+                  dtype: torch.dtype) -> list[QuantizedLinear]:
+    """Each expert's gate/up and down layers (expert after expert) from the codes of the
+    stacked gate, up and down tensors: every array's rows are the experts' rows in turn."""
+    def of_expert(arrays: list[np.ndarray], expert: int) -> list[torch.Tensor]:
+        return [torch.from_numpy(array.reshape(moe.num_experts, -1, array.shape[-1])[expert])
+                for array in arrays]
+
+    gate, up, down = codes
+    made: list[QuantizedLinear] = []
+    for expert in range(moe.num_experts):
+        gate_up = [torch.cat(halves) for halves in zip(of_expert(gate, expert),
+                                                       of_expert(up, expert), strict=True)]
+        for arrays in (gate_up, of_expert(down, expert)):
+            made.append(Q8_0Linear(*arrays, None, dtype) if is_q8
+                        else Int4Linear.from_codes(*arrays, None, dtype))
+    return made
+
+
+def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int,
+              expert_sets: int) -> None:
     served_float = Counter(kind for tensor in tensors if tensor.name not in kept
                            and (kind := tensor.tensor_type.name) not in _FLOAT_TYPES)
     if served_float:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(served_float.items()))
         logger.warning("GGUF tensors served dequantized to float: %s (Q4_0, Q4_1, Q4_K, Q5_0, "
                        "Q6_K and Q8_0 linears alone keep their codes)", kinds)
-    logger.info("GGUF: %d linears keep the file's codes (%d tensors)", num_layers, len(kept))
+    experts = f" and {expert_sets} layers' routed experts" if expert_sets else ""
+    logger.info("GGUF: %d linears%s keep the file's codes (%d tensors)", num_layers, experts,
+                len(kept))
 
 
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})

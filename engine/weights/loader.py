@@ -46,7 +46,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         gguf_tensors = read_tensors(source)
         groups = kept_groups(model, gguf_tensors) if keep_codes else {}
         skip = codes_only(groups)
-        elsewhere = frozenset(hf_tensor_name(name, config.model_type) for name in skip)
+        elsewhere = frozenset(expert_name for name in skip for expert_name in
+                              each_expert(hf_tensor_name(name, config.model_type), config))
         tensors: Iterable[tuple[str, CheckpointTensor]] = float_tensors(gguf_tensors, hf_config,
                                                                        skip)
     else:
@@ -60,6 +61,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         quantize_linears(model, "none" if quantization == "auto" else quantization, group_size)
     prepack_linears(model, device, dtype)
     return model
+
+
+def each_expert(name: str, config: ModelConfig) -> list[str]:
+    """A stacked experts' name (`...experts.{}.gate_proj.weight`) as every expert's."""
+    if "{}" not in name or config.moe is None:
+        return [name]
+    return [name.format(expert) for expert in range(config.moe.num_experts)]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
