@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from common.gguf_model import prepare_gguf
 from engine.kernels.moe_int4 import kernel_serves as moe_int4_kernel_serves
-from engine.layers.moe import FusedMoE
+from engine.layers.moe import EachExpert, FusedMoE
 from engine.quantization.int4 import Int4Linear
+from engine.quantization.int4_experts import Int4Experts
 from engine.quantization.q8_0 import Q8_0Linear
 from engine.weights.loader import load_model
 from tests.model_fixtures import TINY_LLAMA, build_tiny_hf_model
@@ -129,9 +130,9 @@ def gguf_tensors_of(hf_model: torch.nn.Module, architecture: str) -> dict[str, n
 
 
 def write_more_gguf(path: Path, case: str, hf_model: torch.nn.Module,
-                    expert_type: str | None = None) -> None:
-    """A MORE_CASES model as llama.cpp writes it; its stacked experts quantized to
-    `expert_type` (gguf's own quantizer) where one is given."""
+                    expert_types: tuple[str, str] | None = None) -> None:
+    """A MORE_CASES model as llama.cpp writes it; its stacked experts' gate and up, and down,
+    quantized to `expert_types` (gguf's own quantizer) where they are given."""
     import gguf
 
     model_type, overrides = MORE_CASES[case]
@@ -163,8 +164,8 @@ def write_more_gguf(path: Path, case: str, hf_model: torch.nn.Module,
         tensors["rope_factors_short.weight"] = np.array(scaling["short_factor"], np.float32)
     for name, weight in tensors.items():
         weight = np.ascontiguousarray(weight)
-        if expert_type is not None and "_exps." in name:
-            kind = gguf.GGMLQuantizationType[expert_type]
+        if expert_types is not None and "_exps." in name:
+            kind = gguf.GGMLQuantizationType[expert_types["down_exps" in name]]
             writer.add_tensor(name, gguf.quants.quantize(weight, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, weight)
@@ -190,9 +191,12 @@ def test_stacked_experts_and_fused_phi3_weights_equal_the_source_model(
     assert (prefill_logits(ours, prompt) - expected).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("case, expert_type", [("qwen3moe", "Q4_0"), ("llama-moe", "Q4_1"),
-                                               ("qwen3moe", "Q8_0")])
-def test_quantized_stacked_experts_keep_the_files_codes(case: str, expert_type: str,
+@pytest.mark.parametrize("case, expert_types", [
+    ("qwen3moe", ("Q4_0", "Q4_0")), ("llama-moe", ("Q4_1", "Q4_1")),
+    ("qwen3moe", ("Q8_0", "Q8_0")),
+    ("qwen3moe", ("Q4_1", "Q8_0")),  # as Q4_K_M writes some layers: down in more bits
+])
+def test_quantized_stacked_experts_keep_the_files_codes(case: str, expert_types: tuple[str, str],
                                                         tmp_path: Path) -> None:
     """A Qwen3-MoE or Mixtral GGUF's quantized experts load as their codes (no float copy of
     them), decode exactly as the file's own dequantization, and the model's logits are float
@@ -201,34 +205,36 @@ def test_quantized_stacked_experts_keep_the_files_codes(case: str, expert_type: 
     model_type, overrides = MORE_CASES[case]
     hf_model = build_tiny_hf_model(model_type, **overrides)
     path = tmp_path / f"tiny-{case}.gguf"
-    write_more_gguf(path, case, hf_model, expert_type)
+    write_more_gguf(path, case, hf_model, expert_types)
     model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
     cpu = torch.device("cpu")
     ours = load_model(model_dir, torch.float32, cpu)
     floats = load_model(model_dir, torch.float32, cpu, quantization="none")
-    kind = Q8_0Linear if expert_type == "Q8_0" else Int4Linear
+    kinds = [Q8_0Linear if kind == "Q8_0" else Int4Linear for kind in expert_types]
     theirs_by_name = dict(floats.named_modules())
     pairs = [(mine, theirs_by_name[name]) for name, mine in ours.named_modules()
              if isinstance(mine, FusedMoE)]
     assert pairs
     for mine, theirs in pairs:
-        assert mine.w13 is None and mine.products is not None  # fp32: a layer per expert
-        for expert in range(mine.num_experts):
-            gate_up, down = mine.products[2 * expert], mine.products[2 * expert + 1]
-            assert isinstance(gate_up, kind) and isinstance(down, kind)
-            assert torch.equal(gate_up.dequantized_weight(), theirs.w13[expert])
-            assert torch.equal(down.dequantized_weight(), theirs.w2[expert])
+        assert mine.w13 is None and mine.projections is not None  # fp32: a layer per expert
+        for projection, kind, weights in zip(mine.projections, kinds, (theirs.w13, theirs.w2),
+                                             strict=True):
+            assert isinstance(projection, EachExpert)
+            for expert, layer in enumerate(projection.layers):
+                assert isinstance(layer, kind)
+                assert torch.equal(layer.dequantized_weight(), weights[expert])
     for prompt in (prompt_of(3, 7), prompt_of(60, 5)):
         want = prefill_logits(floats, prompt)
         assert (prefill_logits(ours, prompt) - want).abs().max().item() < 1e-4
-    if expert_type == "Q8_0" or not moe_int4_kernel_serves(torch.bfloat16, 32, 16, 32):
+    if expert_types[0] == "Q8_0" or not moe_int4_kernel_serves(torch.bfloat16, 32, 16, 32):
         return
-    # bf16 on AVX512-BF16: every expert set is one grouped int4 weight, no layer per expert
+    # bf16 on AVX512-BF16: every int4 projection of the experts is one grouped weight
     grouped = load_model(model_dir, torch.bfloat16, cpu)
     for name, moe in grouped.named_modules():
         if isinstance(moe, FusedMoE):
-            assert moe.grouped is not None and moe.products is None
-            held = theirs_by_name[name].w13[1], moe.grouped[0].dequantized_weight(1)
+            assert [type(projection) for projection in moe.projections] == [
+                Int4Experts if kind is Int4Linear else EachExpert for kind in kinds]
+            held = theirs_by_name[name].w13[1], moe.projections[0].dequantized_weight(1)
             assert (held[0] - held[1]).abs().max() <= held[0].abs().max() * 2 ** -7
     bf16_floats = load_model(model_dir, torch.bfloat16, cpu, quantization="none")
     for prompt in (prompt_of(3, 7), prompt_of(60, 5)):  # bf16 math: a row's error, typically

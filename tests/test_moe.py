@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.moe_int4 import kernel_serves, pack_experts, run_moe_int4, unpack_experts
-from engine.layers.moe import FusedMoE
+from engine.layers.moe import EachExpert, FusedMoE
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.int4_experts import Int4Experts
 from engine.quantization.int8 import Int8Linear
@@ -52,12 +52,10 @@ def test_grouped_equals_the_per_token_loop(renormalize: bool) -> None:
 
 def dequantized_experts(moe: FusedMoE) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every expert's (gate/up, down) weights as the layer holds them, in float32."""
-    if moe.grouped is not None:
-        gate_up, down = moe.grouped
-        return ([gate_up.dequantized_weight(e) for e in range(EXPERTS)],
-                [down.dequantized_weight(e) for e in range(EXPERTS)])
-    return ([moe.products[2 * e].dequantized_weight() for e in range(EXPERTS)],
-            [moe.products[2 * e + 1].dequantized_weight() for e in range(EXPERTS)])
+    assert moe.projections is not None
+    return tuple([projection.dequantized_weight(e) if isinstance(projection, Int4Experts)
+                  else projection.layers[e].dequantized_weight() for e in range(EXPERTS)]
+                 for projection in moe.projections)
 
 
 @pytest.mark.parametrize("make, grouped", [(Int8Linear, False), (Int4Linear, False),
@@ -73,7 +71,9 @@ def test_quantized_experts_answer_to_their_dequantized_weights(
     own = [make(weight, None).dequantized_weight() for weight in (*moe.w13, *moe.w2)]
     made = moe.replace_products(make)
     attach_dense_copies(made)
-    assert moe.w13 is None and (moe.grouped is not None) == grouped
+    assert moe.w13 is None and moe.projections is not None
+    assert all(isinstance(projection, Int4Experts if grouped else EachExpert)
+               for projection in moe.projections)
     assert len(made) == (0 if grouped else 2 * EXPERTS)  # no dense copies beside the codes
     dequantized = dequantized_experts(moe)
     for expert in range(EXPERTS):  # grouping keeps each expert's own codes, scales and zeros
@@ -138,8 +138,9 @@ def test_experts_are_packed_where_linears_are_and_compute_the_same() -> None:
         plain = holder.moe(x)
         packed = prepack_linears(holder, torch.device("cpu"), torch.bfloat16)
         if not packing_applies(torch.device("cpu"), torch.bfloat16):
-            assert packed == 0 and holder.moe.products is None
+            assert packed == 0 and holder.moe.projections is None
             return
-        assert packed == 2 * EXPERTS and isinstance(holder.moe.products[0], PackedLinear)
+        assert packed == 2 * EXPERTS
+        assert isinstance(holder.moe.projections[0].layers[0], PackedLinear)
         assert holder.moe.replace_products(PackedLinear) == []  # once
         torch.testing.assert_close(holder.moe(x), plain, atol=2e-2, rtol=2e-2)

@@ -7,7 +7,8 @@ of them; after loading, the experts' weights take the form the linears take (pac
 oneDNN, or quantized: `replace_products`). Under tensor parallelism every rank holds a share
 of each expert's intermediate columns (as the dense MLP splits) and the partial outputs are
 summed. Where the grouped int4 kernel serves (bf16 on AVX512-BF16 CPUs), every expert's
-projection of a kind is one `Int4Experts` and each takes one call per step.
+projection of a kind is one `Int4Experts` and takes one call per step; otherwise a layer per
+expert (`EachExpert`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,26 @@ class Router(nn.Module):
         return F.linear(x, self.weight) if self.packed is None else self.packed(x)
 
 
+class EachExpert(nn.Module):
+    """One projection of every expert as a layer per expert (packed or quantized, see
+    engine.quantization): rows grouped by expert (`counts` [E] of each), one layer at a time."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self._calls = list(layers)  # plain list: no nn.Module __getattr__ per expert
+        self.out_features = layers[0].out_features
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((x.shape[0], self.out_features))
+        start = 0
+        for layer, count in zip(self._calls, counts.tolist(), strict=True):
+            if count:
+                out[start:start + count] = with_padded_rows(layer, x[start:start + count])
+                start += count
+        return out
+
+
 class FusedMoE(nn.Module):
     """`expert_parts`: the checkpoint's names of an expert's gate, up and down projections
     (`experts.{e}.<name>.weight`)."""
@@ -65,41 +86,43 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, local, dtype=dtype),
                                requires_grad=False)
         self.act = SiluAndMul()
-        self.products: nn.ModuleList | None = None  # per expert: gate/up, then down
-        self._calls: list[tuple[nn.Module, nn.Module]] | None = None
-        self.grouped: nn.ModuleList | None = None  # gate/up and down of every expert at once
+        # Once the weights are packed or quantized: gate/up, then down, of every expert, each
+        # an `Int4Experts` (one kernel call) or an `EachExpert`.
+        self.projections: nn.ModuleList | None = None
 
     def replace_products(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
                          ) -> list[nn.Module]:
         """Each expert's gate/up and down weights become `make(weight, None)` (packed or
         quantized, engine.quantization), once; returns what `hold_products` returns."""
-        if self.products is not None or self.grouped is not None:
+        if self.projections is not None:
             return []
-        return self.hold_products([make(weights[expert], None)
-                                   for expert in range(self.num_experts)
-                                   for weights in (self.w13, self.w2)])
+        experts = range(self.num_experts)
+        return self.hold_products([make(self.w13[expert], None) for expert in experts],
+                                  [make(self.w2[expert], None) for expert in experts])
 
-    def hold_products(self, made: list[nn.Module]) -> list[nn.Module]:
-        """Takes every expert's layers (gate/up, down, expert after expert) in place of the
-        float weights; returns them, or none where the grouped kernel serves them and they
-        became two `Int4Experts` (nothing is left to attach a dense copy to)."""
+    def hold_products(self, gate_up: list[nn.Module], down: list[nn.Module]) -> list[nn.Module]:
+        """Takes every expert's gate/up and down layers in place of the float weights. Where
+        the grouped kernel serves a projection's layers they become one `Int4Experts`; returns
+        the layers kept one per expert (those a dense copy may attach to)."""
         self.gate.pack()
         self.w13 = self.w2 = None  # type: ignore[assignment]
-        if Int4Experts.serve(made):
-            self.grouped = nn.ModuleList([Int4Experts(made[0::2]), Int4Experts(made[1::2])])
-            return []
-        self.products = nn.ModuleList(made)
-        self._calls = list(zip(made[0::2], made[1::2], strict=True))
-        return made
+        kept: list[nn.Module] = []
+        projections = []
+        for layers in (gate_up, down):
+            if Int4Experts.serve(layers):
+                projections.append(Int4Experts(layers))
+            else:
+                projections.append(EachExpert(layers))
+                kept.extend(layers)
+        self.projections = nn.ModuleList(projections)
+        return kept
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        if self._calls is not None:
-            gate_up, down = self._calls[expert]
-            return down.forward(self.act.forward(gate_up.forward(x)))
+        """One expert's float weights (before any packing or quantization)."""
         return F.linear(self.act.forward(F.linear(x, self.w13[expert])), self.w2[expert])
 
-    def each_expert(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by expert (`counts` of each), one expert's layers at a time."""
+    def each_float_expert(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by expert (`counts` of each), one expert's float weights at a time."""
         out = torch.empty_like(grouped)
         start = 0
         for expert, count in enumerate(counts):
@@ -145,12 +168,11 @@ class FusedMoE(nn.Module):
         tokens = order // self.top_k
         counts = torch.bincount(flat, minlength=self.num_experts)
         grouped = x.index_select(0, tokens)
-        if self.grouped is not None:
-            starts = F.pad(counts.cumsum(0), (1, 0))
-            gate_up, down = self.grouped
-            out = down(self.act.forward(gate_up(grouped, starts)), starts)
+        if self.projections is not None:
+            gate_up, down = self.projections
+            out = down(self.act.forward(gate_up(grouped, counts)), counts)
         else:
-            out = self.each_expert(grouped, counts.tolist())
+            out = self.each_float_expert(grouped, counts.tolist())
         out *= weights.flatten().index_select(0, order)[:, None]
         summed = torch.zeros_like(x).index_add_(0, tokens, out)
         return all_reduce(summed) if self.shard.size > 1 else summed

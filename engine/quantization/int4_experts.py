@@ -4,6 +4,7 @@ grouped kernel (engine.kernels.moe_int4): no per-expert layers, no packed bf16 c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.moe_int4 import kernel_serves, pack_experts, run_moe_int4, unpack_experts
@@ -11,7 +12,7 @@ from engine.quantization.int4 import INT4_ZERO_POINT, Int4Linear
 
 
 class Int4Experts(nn.Module):
-    """y = x Wₑᵀ for each expert e's rows of x (rows grouped by expert, `starts` [E + 1])."""
+    """y = x Wₑᵀ for each expert e's rows of x (rows grouped by expert, `counts` [E] of each)."""
 
     method = "int4"
 
@@ -45,8 +46,8 @@ class Int4Experts(nn.Module):
                        for part in scales_and_zeros[0].float().unbind(-1))
         return (q[0].float() - INT4_ZERO_POINT) * scale + zero
 
-    def forward(self, x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        return run_moe_int4(x, starts, *self._args)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return run_moe_int4(x, F.pad(counts.cumsum(0), (1, 0)), *self._args)
 
     def extra_repr(self) -> str:
         experts = self.codes.shape[0]

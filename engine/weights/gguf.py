@@ -65,21 +65,29 @@ def float_tensors(tensors: list[GGUFTensor], config: dict[str, Any],
 
 def kept_groups(model: nn.Module, tensors: list[GGUFTensor]) -> dict[str, list[GGUFTensor]]:
     """Module name (`model.layers.3.self_attn.qkv_proj`, `lm_head`) → the GGUF tensors whose
-    codes it will hold: every linear the model declares and every set of routed experts
-    (llama.cpp's stacked `ffn_*_exps`) whose tensors are all 4-bit (INT4_TYPES) or all int8
-    codes (INT8_TYPES), and the output projection (the embedding's codes, if tied)."""
+    codes it will hold: every linear the model declares whose tensors are all 4-bit
+    (INT4_TYPES) or all int8 codes (INT8_TYPES), every set of routed experts (llama.cpp's
+    stacked `ffn_{gate,up,down}_exps`) whose gate and up are and whose down is (Q4_K_M writes
+    some layers' down as Q6_K), and the output projection (the embedding's codes, if tied)."""
     by_name = {hf_tensor_name(tensor.name, model.config.model_type): tensor for tensor in tensors
                if tensor.name not in CONFIG_TENSORS}
     candidates = {name: linear_checkpoint_names(name, module)
                   for name, module in model.named_modules() if isinstance(module, LinearBase)}
-    candidates.update({name: [f"{name}.experts.{{}}.{part}.weight" for part in module.expert_parts]
-                       for name, module in model.named_modules() if isinstance(module, FusedMoE)})
+    experts = {name: [f"{name}.experts.{{}}.{part}.weight" for part in module.expert_parts]
+               for name, module in model.named_modules() if isinstance(module, FusedMoE)}
+    candidates.update(experts)
     candidates["lm_head"] = ["model.embed_tokens.weight" if model.lm_head is None
                              else "lm_head.weight"]
     groups = {module: [by_name[name] for name in names] for module, names in candidates.items()}
     return {module: members for module, members in groups.items()
-            if all(member.tensor_type.name in INT4_TYPES for member in members)
-            or all(member.tensor_type.name in INT8_TYPES for member in members)}
+            if all(one_kind(part) for part in
+                   ((members[:2], members[2:]) if module in experts else (members,)))}
+
+
+def one_kind(members: list[GGUFTensor]) -> bool:
+    """Whether the tensors are all 4-bit codes (INT4_TYPES) or all int8 ones (INT8_TYPES)."""
+    kinds = {member.tensor_type.name for member in members}
+    return kinds <= INT4_TYPES or kinds <= INT8_TYPES
 
 
 def linear_checkpoint_names(name: str, linear: LinearBase) -> list[str]:
@@ -201,24 +209,21 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     codes (a tied `lm_head`, None until now, included); returns them. Logs the quantized
     types served as float instead."""
     made: list[QuantizedLinear] = []
-    model_type = config["model_type"]
     expert_sets = 0
     for module_name, members in groups.items():
-        is_q8 = members[0].tensor_type.name in INT8_TYPES
-        block = 16 if any(member.tensor_type.name == "Q6_K" for member in members) else 32
-        codes = [[unpermute_if_rotary(hf_tensor_name(member.name, model_type), array, config)
-                  for array in (int8_codes(member, block) if is_q8 else q4_codes(member))]
-                 for member in members]
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         declared = getattr(parent, attribute)
         if isinstance(declared, FusedMoE):
-            made.extend(declared.hold_products(expert_layers(declared, codes, is_q8, dtype)))
+            gate_up, down = (expert_layers(declared, codes_of(part, config), dtype)
+                             for part in (members[:2], members[2:]))
+            made.extend(declared.hold_products(gate_up, down))
             expert_sets += 1
             continue
-        arrays = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*codes, strict=True)]
+        arrays = [torch.from_numpy(np.concatenate(parts))
+                  for parts in zip(*codes_of(members, config), strict=True)]
         bias = getattr(declared, "bias", None)
-        made.append(Q8_0Linear(*arrays, bias, dtype) if is_q8
+        made.append(Q8_0Linear(*arrays, bias, dtype) if len(arrays) == 2
                     else Int4Linear.from_codes(*arrays, bias, dtype))
         setattr(parent, attribute,
                 declared.wrap(made[-1]) if isinstance(declared, LinearBase) else made[-1])
@@ -227,22 +232,30 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
     return made
 
 
-def expert_layers(moe: FusedMoE, codes: list[list[np.ndarray]], is_q8: bool,
-                  dtype: torch.dtype) -> list[QuantizedLinear]:
-    """Each expert's gate/up and down layers (expert after expert) from the codes of the
-    stacked gate, up and down tensors: every array's rows are the experts' rows in turn."""
-    def of_expert(arrays: list[np.ndarray], expert: int) -> list[torch.Tensor]:
-        return [torch.from_numpy(array.reshape(moe.num_experts, -1, array.shape[-1])[expert])
-                for array in arrays]
+def codes_of(members: list[GGUFTensor], config: dict[str, Any]) -> list[list[np.ndarray]]:
+    """Each tensor's codes in a form they can be joined in: (q, scale, zero) of 4-bit ones,
+    (q, scale) of int8 ones, with a scale per 16 inputs for all if one is Q6_K's."""
+    is_q8 = members[0].tensor_type.name in INT8_TYPES
+    block = 16 if any(member.tensor_type.name == "Q6_K" for member in members) else 32
+    return [[unpermute_if_rotary(hf_tensor_name(member.name, config["model_type"]), array, config)
+             for array in (int8_codes(member, block) if is_q8 else q4_codes(member))]
+            for member in members]
 
-    gate, up, down = codes
+
+def expert_layers(moe: FusedMoE, codes: list[list[np.ndarray]],
+                  dtype: torch.dtype) -> list[QuantizedLinear]:
+    """A layer per expert from stacked tensors' codes (`codes_of`; every array's rows are the
+    experts' rows in turn), the tensors' rows joined (gate and up)."""
+    def of_expert(arrays: list[np.ndarray], expert: int) -> torch.Tensor:
+        return torch.cat([torch.from_numpy(array.reshape(moe.num_experts, -1,
+                                                         array.shape[-1])[expert])
+                          for array in arrays])
+
     made: list[QuantizedLinear] = []
     for expert in range(moe.num_experts):
-        gate_up = [torch.cat(halves) for halves in zip(of_expert(gate, expert),
-                                                       of_expert(up, expert), strict=True)]
-        for arrays in (gate_up, of_expert(down, expert)):
-            made.append(Q8_0Linear(*arrays, None, dtype) if is_q8
-                        else Int4Linear.from_codes(*arrays, None, dtype))
+        arrays = [of_expert(list(parts), expert) for parts in zip(*codes, strict=True)]
+        made.append(Q8_0Linear(*arrays, None, dtype) if len(arrays) == 2
+                    else Int4Linear.from_codes(*arrays, None, dtype))
     return made
 
 
