@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.moe_int4 import kernel_serves, pack_experts, run_moe_int4, unpack_experts
+from engine.kernels.moe_int4 import (
+    combine_experts,
+    group_by_expert,
+    kernel_serves,
+    pack_experts,
+    run_moe_int4,
+    unpack_experts,
+)
 from engine.layers.moe import EachExpert, FusedMoE
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.int4_experts import Int4Experts
@@ -144,3 +151,26 @@ def test_experts_are_packed_where_linears_are_and_compute_the_same() -> None:
         assert isinstance(holder.moe.projections[0].layers[0], PackedLinear)
         assert holder.moe.replace_products(PackedLinear) == []  # once
         torch.testing.assert_close(holder.moe(x), plain, atol=2e-2, rtol=2e-2)
+
+
+def test_rows_are_grouped_by_expert_in_token_order_and_summed_back() -> None:
+    if not moe_int4_kernel_serves():
+        pytest.skip("the grouped int4 kernel needs AVX512-BF16")
+    generator = torch.Generator().manual_seed(2)
+    tokens, k, experts, hidden = 13, 3, 5, 48
+    chosen = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
+    x = torch.randn(tokens, hidden, generator=generator).bfloat16()
+    grouped, counts, rows = group_by_expert(x, chosen, experts)
+    order = chosen.flatten().argsort(stable=True)  # what the layer's torch path does
+    assert torch.equal(counts, torch.bincount(chosen.flatten(), minlength=experts))
+    assert torch.equal(grouped, x[order // k])
+    assert torch.equal(rows.flatten()[order], torch.arange(tokens * k))
+    weights = torch.rand(tokens, k, generator=generator)
+    out = torch.randn(tokens * k, hidden, generator=generator).bfloat16()
+    summed = combine_experts(out, rows, weights)
+    want = (out[rows].float() * weights[..., None]).sum(dim=1)
+    assert ((summed.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-5).all()
+    alone = combine_experts(out, rows[4:5], weights[4:5])  # a token's sum is its own pairs'
+    assert torch.equal(alone, summed[4:5])
+    with pytest.raises(ValueError, match="an expert outside"):
+        group_by_expert(x, chosen.masked_fill(chosen == 0, experts), experts)

@@ -57,8 +57,8 @@ def run_moe_int4(x: torch.Tensor, starts: torch.Tensor, codes: torch.Tensor,
     """y [rows, n] bf16: rows starts[e] .. starts[e + 1] of x (bf16 [rows, k]) times expert
     e's weight transposed; codes and scales as `pack_experts` makes them, starts int64
     [E + 1]."""
-    kernel = load_moe_int4_kernel()
-    assert kernel is not None
+    library = load_moe_int4_kernel()
+    assert library is not None
     x = x.contiguous()
     experts, tiles, groups = codes.shape[:3]
     n, k = tiles * TILE, groups * GROUP
@@ -68,22 +68,58 @@ def run_moe_int4(x: torch.Tensor, starts: torch.Tensor, codes: torch.Tensor,
                          f"{tuple(starts.shape)} {starts.dtype} against {experts} experts of "
                          f"{n} x {k}")
     y = x.new_empty((x.shape[0], n))
-    status = kernel(x.data_ptr(), x.shape[0], starts.data_ptr(), experts, codes.data_ptr(),
-                    scales.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    status = library.loom_moe_int4(x.data_ptr(), x.shape[0], starts.data_ptr(), experts,
+                                   codes.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k,
+                                   torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the moe int4 kernel refused its arguments ({status})")
     return y
 
 
+def group_by_expert(x: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routing's (token, slot) pairs (experts int64 [T, k]) grouped by expert, tokens in
+    order within one: (x's rows gathered so, bf16 [T * k, hidden]; counts int64 [E]; each
+    pair's row there, int64 [T, k])."""
+    library = load_moe_int4_kernel()
+    assert library is not None
+    x, experts = x.contiguous(), experts.contiguous()
+    tokens, k = experts.shape
+    grouped = x.new_empty((tokens * k, x.shape[1]))
+    counts = experts.new_empty(num_experts)
+    rows = torch.empty_like(experts)
+    if library.loom_moe_group(experts.data_ptr(), tokens, k, num_experts, x.data_ptr(),
+                              x.shape[1], counts.data_ptr(), rows.data_ptr(),
+                              grouped.data_ptr()) != 0:
+        raise ValueError(f"an expert outside 0..{num_experts - 1}")
+    return grouped, counts, rows
+
+
+def combine_experts(out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                    ) -> torch.Tensor:
+    """y [T, hidden] bf16: each token's pairs' rows of out (bf16, `group_by_expert`'s order)
+    times their weights (float32 [T, k]), summed in fp32 in the experts' order."""
+    library = load_moe_int4_kernel()
+    assert library is not None
+    out, weights = out.contiguous(), weights.float().contiguous()
+    tokens, k = rows.shape
+    y = out.new_empty((tokens, out.shape[1]))
+    library.loom_moe_combine(out.data_ptr(), rows.data_ptr(), weights.data_ptr(), tokens, k,
+                             out.shape[1], y.data_ptr(), torch.get_num_threads())
+    return y
+
+
 @functools.cache
-def load_moe_int4_kernel() -> ctypes._CFuncPtr | None:
-    """Compile (once, cached on disk) and load the kernel; None where it cannot be built, was
-    built without AVX512-BF16, or LOOM_CPU_MOE_KERNEL=0."""
+def load_moe_int4_kernel() -> ctypes.CDLL | None:
+    """Compile (once, cached on disk) and load the kernels; None where they cannot be built,
+    were built without AVX512-BF16, or LOOM_CPU_MOE_KERNEL=0."""
     if not kernel_enabled("LOOM_CPU_MOE_KERNEL"):
         return None
     library = load_library("moe_int4", "per-expert layers", {
         "loom_moe_int4_available": ([], ctypes.c_int),
-        "loom_moe_int4": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, INT], ctypes.c_int)})
+        "loom_moe_int4": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, INT], ctypes.c_int),
+        "loom_moe_group": ([PTR, I64, I64, I64, PTR, I64, PTR, PTR, PTR], ctypes.c_int),
+        "loom_moe_combine": ([PTR, PTR, PTR, I64, I64, I64, PTR, INT], None)})
     if library is None or not library.loom_moe_int4_available():
         return None
-    return library.loom_moe_int4
+    return library

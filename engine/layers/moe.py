@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.tensor_parallel import all_reduce, tp_shard
+from engine.kernels.moe_int4 import combine_experts, group_by_expert
 from engine.layers.activation import SiluAndMul
 from engine.layers.batch_invariant import with_padded_rows
 from engine.layers.linear import CheckpointTensor
@@ -89,6 +90,7 @@ class FusedMoE(nn.Module):
         # Once the weights are packed or quantized: gate/up, then down, of every expert, each
         # an `Int4Experts` (one kernel call) or an `EachExpert`.
         self.projections: nn.ModuleList | None = None
+        self.kernel_grouping = False  # where a projection is one `Int4Experts`
 
     def replace_products(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
                          ) -> list[nn.Module]:
@@ -115,6 +117,7 @@ class FusedMoE(nn.Module):
                 projections.append(EachExpert(layers))
                 kept.extend(layers)
         self.projections = nn.ModuleList(projections)
+        self.kernel_grouping = len(kept) < len(gate_up) + len(down)
         return kept
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -154,15 +157,22 @@ class FusedMoE(nn.Module):
             self.w2.data[expert].copy_(tensor[:, start:end])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, experts [T, k]), as transformers routes."""
+        """(weights float32 [T, k], experts [T, k]), as transformers routes."""
         probs = torch.softmax(self.gate.forward(x).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if self.kernel_grouping:  # the grouped kernel's rows gathered and summed in C++
+            grouped, counts, rows = group_by_expert(x, experts, self.num_experts)
+            gate_up, down = self.projections
+            out = down(self.act.forward(gate_up(grouped, counts)), counts)
+            summed = combine_experts(out, rows, weights)
+            return all_reduce(summed) if self.shard.size > 1 else summed
+        weights = weights.to(x.dtype)  # transformers' rounding
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert
         tokens = order // self.top_k

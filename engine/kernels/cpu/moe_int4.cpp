@@ -15,8 +15,11 @@
 //
 // A row's sums run in one order whatever shares the call (no split over k, each row's
 // accumulators its own): a row's bits never depend on the other rows.
+#include "numerics.h"
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -180,14 +183,10 @@ extern "C" int loom_moe_int4(const uint16_t* x, int64_t rows, const int64_t* sta
                              uint16_t* y, int64_t n, int64_t k, int threads) {
   if (rows < 0 || k % kGroup || n % kTile || start[0] != 0 || start[experts] != rows) return 1;
   const int64_t groups = k / kGroup;
-  std::vector<float> group_sums(rows * groups, 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i)
-        sum += __builtin_bit_cast(float, uint32_t(x[r * k + g * kGroup + i]) << 16);
-      group_sums[r * groups + g] = sum;
-    }
+  std::vector<float> group_sums(rows * groups);
+  for (int64_t i = 0; i < rows * groups; ++i)  // each in one order: a vector's lanes, folded
+    group_sums[i] = _mm512_reduce_add_ps(
+        _mm512_add_ps(bf16_to_float(x + i * kGroup), bf16_to_float(x + i * kGroup + kTile)));
   const Problem p{x, group_sums.data(), codes, scales, y, n, k};
   struct Task { int64_t expert, first, last; };
   int64_t active = 0;
@@ -216,3 +215,46 @@ extern "C" int loom_moe_int4(const uint16_t*, int64_t, const int64_t*, int64_t, 
   return 2;
 }
 #endif
+
+// The kernel's rows in and out. Routing's (token, slot) pairs, experts [tokens, k], grouped by
+// expert with tokens in order within one (a stable sort): counts [E] of each expert, rows
+// [tokens, k] (each pair's row in that order) and x's rows gathered there, grouped
+// [tokens * k, hidden] (bf16). 1 when an expert is out of range.
+extern "C" int loom_moe_group(const int64_t* experts, int64_t tokens, int64_t k,
+                              int64_t num_experts, const uint16_t* x, int64_t hidden,
+                              int64_t* counts, int64_t* rows, uint16_t* grouped) {
+  std::fill(counts, counts + num_experts, 0);
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    if (experts[i] < 0 || experts[i] >= num_experts) return 1;
+    ++counts[experts[i]];
+  }
+  std::vector<int64_t> next(num_experts, 0);
+  for (int64_t e = 1; e < num_experts; ++e) next[e] = next[e - 1] + counts[e - 1];
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    rows[i] = next[experts[i]]++;
+    std::memcpy(grouped + rows[i] * hidden, x + (i / k) * hidden, hidden * sizeof(uint16_t));
+  }
+  return 0;
+}
+
+// y [tokens, hidden] = Σ_j weights[t, j] · out[rows[t, j]] (out [tokens * k, hidden], bf16),
+// summed in fp32 in the order of the rows (the experts' order) and rounded once: a token's
+// sum depends on its own pairs alone.
+extern "C" void loom_moe_combine(const uint16_t* out, const int64_t* rows, const float* weights,
+                                 int64_t tokens, int64_t k, int64_t hidden, uint16_t* y,
+                                 int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int64_t> order(k);
+    for (int64_t j = 0; j < k; ++j) order[j] = j;
+    std::sort(order.begin(), order.end(),
+              [&](int64_t a, int64_t b) { return rows[t * k + a] < rows[t * k + b]; });
+    std::vector<float> sum(hidden, 0.f);
+    for (const int64_t j : order) {
+      const uint16_t* source = out + rows[t * k + j] * hidden;
+      const float weight = weights[t * k + j];
+      for (int64_t h = 0; h < hidden; ++h) sum[h] += weight * to_float(source[h]);
+    }
+    for (int64_t h = 0; h < hidden; ++h) store(y + t * hidden + h, sum[h]);
+  }
+}
