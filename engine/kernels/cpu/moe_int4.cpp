@@ -3,9 +3,9 @@
 // W = (q - 8)·s + z per group of 32 input channels (the int4 layer's codes, q in 0..15), s and
 // z in bf16. Activations and outputs are bf16; products and sums run on `vdpbf16ps`.
 //
-// A code becomes a bf16 with one bit operation: 0x3F80 | q << 3 is 1 + q/16 exactly, so
-// Σ_k W·x = Σ_g 16·s_g·Σ_k∈g (1 + q/16)·x + (z_g - 24·s_g)·Σ_k∈g x. Each product of the dot
-// is exact in fp32; x's per-group sums are taken once per row.
+// A code becomes a bf16 with bit operations alone: 0x4300 | q is 128 + q exactly, so
+// Σ_k W·x = Σ_g s_g·Σ_k∈g (128 + q)·x + (z_g - 136·s_g)·Σ_k∈g x. Each product of the dot is
+// exact in fp32; x's per-group sums are taken once per row.
 //
 // Output channels lie across the lanes, 16 to a tile; two adjacent input channels per lane
 // (the instruction's pairs). Codes are laid out per (expert, tile, group) as 8 chunks of 32
