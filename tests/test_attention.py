@@ -51,7 +51,7 @@ CASES = [
     Case("gqa4_dim128", ((1, 70), (1, 3), (1, 129), (9, 40)), num_heads=8, num_kv_heads=2,
          head_dim=128),
     Case("one_token_prompt", ((1, 1), (3, 3))),
-    # Beyond KERNEL_PREFILL_MAX_TOKENS: SDPA beside the kernel's rows in one step
+    # Long chunks beside short ones and decodes: the kernel's rows (or the tiled kernel's)
     Case("long_prefills_beside_short_ones", ((1, 30), (600, 600), (520, 700), (40, 90))),
 ]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -74,7 +74,7 @@ DECODE_IMPLS = {
 CASE_IMPLS = [
     pytest.param(case, impl, id=f"{case.name}-{impl}")
     for case in CASES
-    # Prefill-only cases: the kernel's rows (chunks up to KERNEL_PREFILL_MAX_TOKENS) and SDPA.
+    # Prefill-only cases: the kernel's rows (or the tiled kernel) and the torch path's SDPA.
     for impl in (DECODE_IMPLS if any(q_len == 1 for q_len, _ in case.requests)
                  else ["cpp", "matmul"])
 ]

@@ -2,10 +2,9 @@
 
 The kernel reads the paged cache in place for every request with one new token ("decodes").
 On bf16 caches where the CPU has tiles, every prefill chunk takes the AMX prefill kernel
-(engine/kernels/cpu/paged_prefill.cpp); elsewhere the decode kernel takes every row of the
-chunks up to KERNEL_PREFILL_MAX_TOKENS, each row a decode over its own causal prefix, and
-longer chunks the torch backend's SDPA paths, in the same step. In batch-invariant mode every
-row is a decode row. The step's KV write is one C++ call.
+(engine/kernels/cpu/paged_prefill.cpp); elsewhere the decode kernel takes every row of every
+chunk, each row a decode over its own causal prefix (engine.attention.metadata.plan_step). In
+batch-invariant mode every row is a decode row. The step's KV write is one C++ call.
 """
 
 from __future__ import annotations

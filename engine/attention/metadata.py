@@ -21,10 +21,11 @@ from engine.attention.workspace import DEFAULT_WORKSPACE, Workspace
 from engine.kv_cache_groups import blocks_for
 from engine.platform.host_copy import int_tensor
 
-# Prefill chunks up to this many tokens go through the C++ decode kernel too, each query row
-# as a decode over its own causal prefix: no masked rectangle on cached tokens (measured
-# faster than one SDPA call per short prompt). Longer chunks take SDPA.
-KERNEL_PREFILL_MAX_TOKENS = 512
+# Without the tiled (AMX) prefill kernel, the C++ decode kernel takes every prefill chunk, each
+# query row a decode over its own causal prefix: no masked rectangle on cached tokens, a row's
+# bits the same however its prompt is chunked, and faster than SDPA at every length measured
+# (AVX-512 without AMX, bf16 and fp32: 2,048 fresh tokens 24 vs 51 ms a layer, 1,024 on 1,024
+# cached 24 vs 60; docs/benchmarks.md).
 # Where the backend has the AMX prefill kernel, it takes every chunk of this many tokens and
 # more: all of them, so that a prompt's rows come out the same whether its first blocks were
 # cached (a short chunk left) or not (a long one) (engine.layers.batch_invariant). Below 16
@@ -81,7 +82,7 @@ class StepPlan:
     block_size: int
     decodes: DecodeBatch | None
     prefills: list[PrefillChunk]
-    # The C++ kernel's rows: every decode, then every row of the short prefill chunks
+    # The C++ kernel's rows: every decode, then every row of the prefill chunks it takes
     kernel_rows: DecodeBatch | None = None
     tiled_prefills: PrefillBatch | None = None  # the long chunks, where the AMX kernel serves
     kernel_prefills: frozenset[int] = frozenset()  # requests whose chunk is in either
@@ -173,10 +174,11 @@ class AttentionMetadata:
 
 def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
               tiled_prefill: bool = False, rows_only: bool = False) -> StepPlan:
-    """`kernel`: the C++ kernel takes every decode, every row of the short prefill chunks and
-    of the drafted decodes (`row_requests`: a few rows would cost the tiled kernel their
-    context's layout); `tiled_prefill`: the AMX kernel takes the other chunks; `rows_only`:
-    every row of every chunk is a decode row (batch-invariant mode: one kernel per row)."""
+    """`kernel`: the C++ kernel takes every decode, and every row of the prefill chunks and
+    drafted decodes the tiled kernel does not take; `tiled_prefill`: the AMX kernel takes the
+    chunks of TILED_PREFILL_MIN_TOKENS and more but drafted decodes (`row_requests`: a few
+    rows would cost it their context's layout); `rows_only`: every row of every chunk is a
+    decode row (batch-invariant mode: one kernel per row)."""
     query_lens = metadata.query_lens
     if metadata.block_tables.shape[1] * block_size < max(metadata.seq_lens, default=0):
         raise ValueError("block tables are narrower than the longest context")
@@ -185,17 +187,16 @@ def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
     as_rows = metadata.row_requests if kernel and not rows_only else frozenset()
     tiled_ids = {i for i in prefill_ids if kernel and tiled_prefill and not rows_only
                  and i not in as_rows and query_lens[i] >= TILED_PREFILL_MIN_TOKENS}
-    short = [i for i in prefill_ids if i in as_rows or (kernel and i not in tiled_ids and (
-        rows_only or query_lens[i] <= KERNEL_PREFILL_MAX_TOKENS))]
-    covered = frozenset(short) | tiled_ids
+    row_chunks = [i for i in prefill_ids if kernel and i not in tiled_ids]
+    covered = frozenset(row_chunks) | tiled_ids
     prefills = [plan_prefill(metadata, i, block_size, masked=i not in covered)
                 for i in prefill_ids]
     decodes = plan_decodes(metadata, decode_ids) if decode_ids else None
     if not kernel:
         return StepPlan(block_size, decodes, prefills)
     kernel_rows = decodes
-    if short:
-        kernel_rows = plan_rows(metadata, decode_ids + short, runs=not rows_only)
+    if row_chunks:
+        kernel_rows = plan_rows(metadata, decode_ids + row_chunks, runs=not rows_only)
     tiled_chunks = [chunk for chunk in prefills if chunk.request in tiled_ids]
     tiled = plan_prefill_batch(metadata, tiled_chunks) if tiled_chunks else None
     return StepPlan(block_size, decodes, prefills, kernel_rows, tiled, covered)
