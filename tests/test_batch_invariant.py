@@ -229,6 +229,26 @@ def test_by_default_a_prefix_hit_does_not_change_a_prompts_logits(model_dir: str
         assert torch.equal(row, wanted), f"logits of output {position} differ"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_by_default_a_long_prompts_prefix_hit_does_not_change_its_logits(
+        tmp_path: Path, dtype: str) -> None:
+    """A prompt longer than 512 tokens: cold in one chunk, then on the cache with a short
+    chunk left. Both chunks run through one kernel (the AMX prefill kernel, or rows of the
+    decode kernel: SDPA took long chunks once, and the hit changed the logits)."""
+    model_dir = build_tiny_llama_dir(tmp_path, **SHAPE, max_position_embeddings=1024)
+    core = make_core(model_dir, dtype=dtype, max_num_batched_tokens=1024)
+    logits = capture_logits(core)
+    prompt = [5 + (7 * i) % 300 for i in range(600)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    cold = run_to_completion(core, [AddRequest("cold", prompt, params, 0.0)])
+    cached = run_to_completion(core, [AddRequest("cached", prompt, params, 0.0)])
+    assert core.block_manager.stats.hits > 0
+    assert cached["cached"] == cold["cold"]
+    for position, (row, wanted) in enumerate(zip(logits["cached"], logits["cold"],
+                                                  strict=True)):
+        assert torch.equal(row, wanted), f"logits of output {position} differ"
+
+
 def capture_verified_logits(core: EngineCore) -> list[tuple[str, int, list[int], torch.Tensor]]:
     """Per sampled chunk: (request id, its output count before the step, its drafts, the
     logits of its 1 + drafts rows). Row j predicts output position `count + j` given the
