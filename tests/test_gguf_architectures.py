@@ -199,9 +199,9 @@ def test_stacked_experts_and_fused_phi3_weights_equal_the_source_model(
 def test_quantized_stacked_experts_keep_the_files_codes(case: str, expert_types: tuple[str, str],
                                                         tmp_path: Path) -> None:
     """A Qwen3-MoE or Mixtral GGUF's quantized experts load as their codes (no float copy of
-    them), decode exactly as the file's own dequantization, and the model's logits are float
-    math on those weights, both where the kernels read the codes (a few rows per expert) and
-    where a prefill's many rows take the dense copy."""
+    them, nor a dense copy beside them), decode exactly as the file's own dequantization, and
+    the model's logits are float math on those weights, for a few rows per expert and for a
+    prefill's many."""
     model_type, overrides = MORE_CASES[case]
     hf_model = build_tiny_hf_model(model_type, **overrides)
     path = tmp_path / f"tiny-{case}.gguf"
@@ -221,7 +221,7 @@ def test_quantized_stacked_experts_keep_the_files_codes(case: str, expert_types:
                                              strict=True):
             assert isinstance(projection, EachExpert)
             for expert, layer in enumerate(projection.layers):
-                assert isinstance(layer, kind)
+                assert isinstance(layer, kind) and layer.dense is None
                 assert torch.equal(layer.dequantized_weight(), weights[expert])
     for prompt in (prompt_of(3, 7), prompt_of(60, 5)):
         want = prefill_logits(floats, prompt)

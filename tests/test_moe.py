@@ -81,12 +81,13 @@ def test_quantized_experts_answer_to_their_dequantized_weights(
     assert moe.w13 is None and moe.projections is not None
     assert all(isinstance(projection, Int4Experts if grouped else EachExpert)
                for projection in moe.projections)
-    assert len(made) == (0 if grouped else 2 * EXPERTS)  # no dense copies beside the codes
+    assert len(made) == (0 if grouped else 2 * EXPERTS)
+    assert all(layer.dense is None for layer in made)  # no dense copy beside the codes
     dequantized = dequantized_experts(moe)
     for expert in range(EXPERTS):  # grouping keeps each expert's own codes, scales and zeros
         assert torch.equal(dequantized[0][expert], own[expert])
         assert torch.equal(dequantized[1][expert], own[EXPERTS + expert])
-    for rows in (1, 3, 40, 300):  # per expert: decode-sized groups, more than 8 rows
+    for rows in (1, 3, 40, 300):  # per expert: decode-sized groups, many rows
         x = torch.randn(rows, HIDDEN, dtype=torch.bfloat16)
         with torch.inference_mode():
             got = moe(x).float()

@@ -25,6 +25,7 @@ from engine.kernels.moe_int4 import combine_experts, group_by_expert
 from engine.layers.activation import SiluAndMul
 from engine.layers.batch_invariant import with_padded_rows
 from engine.layers.linear import CheckpointTensor
+from engine.quantization.base import QuantizedLinear
 from engine.quantization.int4_experts import Int4Experts
 from engine.quantization.unquantized import PackedLinear, packing_applies
 
@@ -49,10 +50,15 @@ class Router(nn.Module):
 
 class EachExpert(nn.Module):
     """One projection of every expert as a layer per expert (packed or quantized, see
-    engine.quantization): rows grouped by expert (`counts` [E] of each), one layer at a time."""
+    engine.quantization): rows grouped by expert (`counts` [E] of each), one layer at a time.
+    Quantized experts keep no dense copy: their codes' kernels take every step (copies of every
+    expert would cost more memory than the codes save: 4 bytes a weight in fp32)."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
+        for layer in layers:
+            if isinstance(layer, QuantizedLinear):
+                layer.keeps_dense_copy = False
         self.layers = nn.ModuleList(layers)
         self._calls = list(layers)  # plain list: no nn.Module __getattr__ per expert
         self.out_features = layers[0].out_features

@@ -36,6 +36,7 @@ class QuantizedLinear(nn.Module):
     method = "none"
     weight_only = True  # activations stay float: a dense copy computes the same function
     max_kernel_rows = 0  # weight-only, bf16: steps of more tokens run on the dense copy
+    keeps_dense_copy = True  # False: the codes' kernel takes every step (routed experts)
 
     def __init__(self, shape: torch.Size, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -45,14 +45,17 @@ def quantize_linears(model: nn.Module, method: str,
 def attach_dense_copies(layers: list[QuantizedLinear]) -> None:
     """The last step of loading quantized layers: weight-only ones get their packed bf16 copy
     where oneDNN packs bf16 natively, an fp32 one in an fp32 model (engine.quantization.base);
-    w8a8 ones none."""
+    w8a8 ones and those that keep no dense copy (routed experts) none."""
     for layer in layers:
         dtype = layer.dense_dtype
-        if layer.weight_only and dtype == torch.float32:
-            layer.keep_float_copy()
-        elif layer.weight_only and packing_applies(layer.device, dtype):
-            layer.keep_dense_copy(dtype)
+        if layer.weight_only and layer.keeps_dense_copy:
+            if dtype == torch.float32:
+                layer.keep_float_copy()
+            elif packing_applies(layer.device, dtype):
+                layer.keep_dense_copy(dtype)
         layer.finish_loading()
+
+
 def quantization_summary(model: nn.Module) -> str:
     """One phrase for the start-up log: what the linears hold and which kernel runs when."""
     layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
