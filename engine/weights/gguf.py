@@ -13,9 +13,10 @@ int8 codes q - 32 with a scale per 16 (`q6_k_codes`; their 32-blocked neighbours
 linear repeat each scale twice). llama.cpp writes Q5_0 where a K-quant's 256-wide
 super-blocks do not fit a row (Gemma 3 270M's 640-wide inputs). A tied output projection
 is made from the embedding's codes, the embedding itself staying float for the lookup.
-Routed experts stacked as llama.cpp writes them (`ffn_{gate,up,down}_exps`, all Q4 or all
-int8 codes) keep their codes too, a layer per expert (`expert_layers`), or one grouped int4
-weight per projection where that kernel serves (engine.layers.moe).
+Routed experts stacked as llama.cpp writes them (`ffn_{gate,up,down}_exps`: gate and up
+of one kind of codes, down of either) keep their codes too, a layer per expert
+(`expert_layers`), or one grouped int4 weight per projection where that kernel serves
+(engine.layers.moe).
 Other quantized types (Q5_K, Q2_K, ...) stay float, named in one warning line.
 """
 
@@ -223,8 +224,7 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
         arrays = [torch.from_numpy(np.concatenate(parts))
                   for parts in zip(*codes_of(members, config), strict=True)]
         bias = getattr(declared, "bias", None)
-        made.append(Q8_0Linear(*arrays, bias, dtype) if len(arrays) == 2
-                    else Int4Linear.from_codes(*arrays, bias, dtype))
+        made.append(coded_layer(arrays, bias, dtype))
         setattr(parent, attribute,
                 declared.wrap(made[-1]) if isinstance(declared, LinearBase) else made[-1])
     kept = {member.name for members in groups.values() for member in members}
@@ -254,9 +254,16 @@ def expert_layers(moe: FusedMoE, codes: list[list[np.ndarray]],
     made: list[QuantizedLinear] = []
     for expert in range(moe.num_experts):
         arrays = [of_expert(list(parts), expert) for parts in zip(*codes, strict=True)]
-        made.append(Q8_0Linear(*arrays, None, dtype) if len(arrays) == 2
-                    else Int4Linear.from_codes(*arrays, None, dtype))
+        made.append(coded_layer(arrays, None, dtype))
     return made
+
+
+def coded_layer(arrays: list[torch.Tensor], bias: torch.Tensor | None,
+                dtype: torch.dtype) -> QuantizedLinear:
+    """A `Q8_0Linear` of (q, scale), an `Int4Linear` of (q, scale, zero) (`codes_of`)."""
+    if len(arrays) == 2:
+        return Q8_0Linear(*arrays, bias, dtype)
+    return Int4Linear.from_codes(*arrays, bias, dtype)
 
 
 def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int,
