@@ -13,7 +13,7 @@ expert (`EachExpert`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -64,13 +64,20 @@ class EachExpert(nn.Module):
         self.out_features = layers[0].out_features
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((x.shape[0], self.out_features))
-        start = 0
-        for layer, count in zip(self._calls, counts.tolist(), strict=True):
-            if count:
-                out[start:start + count] = with_padded_rows(layer, x[start:start + count])
-                start += count
-        return out
+        return rows_by_expert(self._calls, x, counts.tolist(), self.out_features)
+
+
+def rows_by_expert(multiplies: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+                   x: torch.Tensor, counts: list[int], out_features: int) -> torch.Tensor:
+    """Rows grouped by expert (`counts` of each), each expert's rows through its `multiplies`
+    entry (padded where the step asks for it: engine.layers.batch_invariant)."""
+    out = x.new_empty((x.shape[0], out_features))
+    start = 0
+    for multiply, count in zip(multiplies, counts, strict=True):
+        if count:
+            out[start:start + count] = with_padded_rows(multiply, x[start:start + count])
+            start += count
+    return out
 
 
 class FusedMoE(nn.Module):
@@ -96,7 +103,6 @@ class FusedMoE(nn.Module):
         # Once the weights are packed or quantized: gate/up, then down, of every expert, each
         # an `Int4Experts` (one kernel call) or an `EachExpert`.
         self.projections: nn.ModuleList | None = None
-        self.kernel_grouping = False  # where a projection is one `Int4Experts`
 
     def replace_products(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
                          ) -> list[nn.Module]:
@@ -123,24 +129,26 @@ class FusedMoE(nn.Module):
                 projections.append(EachExpert(layers))
                 kept.extend(layers)
         self.projections = nn.ModuleList(projections)
-        self.kernel_grouping = len(kept) < len(gate_up) + len(down)
         return kept
+
+    @property
+    def kernel_grouping(self) -> bool:
+        """Whether a projection is one `Int4Experts`: then rows are grouped and summed in C++."""
+        return self.projections is not None and any(
+            isinstance(projection, Int4Experts) for projection in self.projections)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's float weights (before any packing or quantization)."""
         return F.linear(self.act.forward(F.linear(x, self.w13[expert])), self.w2[expert])
 
-    def each_float_expert(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by expert (`counts` of each), one expert's float weights at a time."""
-        out = torch.empty_like(grouped)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = slice(start, start + count)
-                out[rows] = with_padded_rows(partial(self.expert_forward, expert),
-                                             grouped[rows])
-                start += count
-        return out
+    def experts_forward(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert (`counts` [E] of each) through their experts."""
+        if self.projections is None:
+            return rows_by_expert([partial(self.expert_forward, expert)
+                                   for expert in range(self.num_experts)],
+                                  grouped, counts.tolist(), grouped.shape[1])
+        gate_up, down = self.projections
+        return down(self.act.forward(gate_up(grouped, counts)), counts)
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, tuple[int, int]]]:
         """Checkpoint name -> (parameter, (expert, part)) for every expert's projections."""
@@ -172,23 +180,15 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if self.kernel_grouping:  # the grouped kernel's rows gathered and summed in C++
+        if self.kernel_grouping:  # the rows gathered and summed back in C++
             grouped, counts, rows = group_by_expert(x, experts, self.num_experts)
-            gate_up, down = self.projections
-            out = down(self.act.forward(gate_up(grouped, counts)), counts)
-            summed = combine_experts(out, rows, weights)
-            return all_reduce(summed) if self.shard.size > 1 else summed
-        weights = weights.to(x.dtype)  # transformers' rounding
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert
-        tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        grouped = x.index_select(0, tokens)
-        if self.projections is not None:
-            gate_up, down = self.projections
-            out = down(self.act.forward(gate_up(grouped, counts)), counts)
+            summed = combine_experts(self.experts_forward(grouped, counts), rows, weights)
         else:
-            out = self.each_float_expert(grouped, counts.tolist())
-        out *= weights.flatten().index_select(0, order)[:, None]
-        summed = torch.zeros_like(x).index_add_(0, tokens, out)
+            flat = experts.flatten()
+            order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert
+            tokens = order // self.top_k
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            out = self.experts_forward(x.index_select(0, tokens), counts)
+            out *= weights.to(x.dtype).flatten().index_select(0, order)[:, None]  # as HF rounds
+            summed = torch.zeros_like(x).index_add_(0, tokens, out)
         return all_reduce(summed) if self.shard.size > 1 else summed
