@@ -120,7 +120,7 @@ def test_grouped_int4_kernel_is_float_math_on_the_codes_and_rows_keep_their_bits
     counts = torch.tensor([1, 0, 2, 3, 9, 20])  # every rows-per-call template, > 8 in blocks
     starts = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
     x = torch.randn(int(counts.sum()), k).bfloat16()
-    y = run_moe_int4(x, starts, codes, scales)
+    y = run_moe_int4(x, counts, codes, scales)
     scale, zero = (part.transpose(1, 2).repeat_interleave(32, 2)
                    for part in scales_and_zeros.float().unbind(-1))
     weights = (q.float() - 8) * scale + zero
@@ -129,11 +129,11 @@ def test_grouped_int4_kernel_is_float_math_on_the_codes_and_rows_keep_their_bits
         want = x[rows].float() @ weights[expert].T
         # bf16 output: at most half a unit in the last place, plus fp32 sums' noise
         assert ((y[rows].float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
-        alone = torch.zeros(experts + 1, dtype=torch.int64)
-        alone[expert + 1:] = rows.stop - rows.start
+        alone = torch.zeros(experts, dtype=torch.int64)
+        alone[expert] = rows.stop - rows.start
         for row in range(rows.start, rows.stop):
-            one = torch.zeros(experts + 1, dtype=torch.int64)
-            one[expert + 1:] = 1
+            one = torch.zeros(experts, dtype=torch.int64)
+            one[expert] = 1
             assert torch.equal(run_moe_int4(x[row:row + 1], one, codes, scales), y[row:row + 1])
         assert torch.equal(run_moe_int4(x[rows], alone, codes, scales), y[rows])
 

@@ -4,7 +4,6 @@ grouped kernel (engine.kernels.moe_int4): no per-expert layers, no packed bf16 c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.moe_int4 import kernel_serves, pack_experts, run_moe_int4, unpack_experts
@@ -47,7 +46,7 @@ class Int4Experts(nn.Module):
         return (q[0].float() - INT4_ZERO_POINT) * scale + zero
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_moe_int4(x, F.pad(counts.cumsum(0), (1, 0)), *self._args)
+        return run_moe_int4(x, counts, *self._args)
 
     def extra_repr(self) -> str:
         experts = self.codes.shape[0]

@@ -1,5 +1,5 @@
 // Routed experts' 4-bit weights times their tokens, every expert in one call: rows of x come
-// grouped by expert (rows start[e] .. start[e + 1] go to expert e) and each expert's weight is
+// grouped by expert (counts[e] rows for expert e, in the experts' order) and each expert's weight is
 // W = (q - 8)·s + z per group of 32 input channels (the int4 layer's codes, q in 0..15), s and
 // z in bf16. Activations and outputs are bf16; products and sums run on `vdpbf16ps`.
 //
@@ -176,29 +176,32 @@ void task(const Problem& p, int64_t expert, int64_t first, int64_t last, int64_t
 
 extern "C" int loom_moe_int4_available() { return 1; }
 
-// y [rows, n] = for each expert e, x[start[e]:start[e + 1]] times its weight transposed (see
-// the top). 1 when the shapes are out of range.
-extern "C" int loom_moe_int4(const uint16_t* x, int64_t rows, const int64_t* start,
+// y [rows, n] = for each expert e, its counts[e] rows of x (after those of experts 0 .. e - 1)
+// times its weight transposed (see the top). 1 when the shapes are out of range.
+extern "C" int loom_moe_int4(const uint16_t* x, int64_t rows, const int64_t* counts,
                              int64_t experts, const uint8_t* codes, const uint16_t* scales,
                              uint16_t* y, int64_t n, int64_t k, int threads) {
-  if (rows < 0 || k % kGroup || n % kTile || start[0] != 0 || start[experts] != rows) return 1;
+  if (rows < 0 || k % kGroup || n % kTile) return 1;
+  std::vector<int64_t> start(experts + 1, 0);
+  int64_t active = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (counts[e] < 0) return 1;
+    start[e + 1] = start[e] + counts[e];
+    active += counts[e] > 0;
+  }
+  if (start[experts] != rows) return 1;
   const int64_t groups = k / kGroup;
   std::vector<float> group_sums(rows * groups);
   for (int64_t i = 0; i < rows * groups; ++i)  // each in one order: a vector's lanes, folded
     group_sums[i] = _mm512_reduce_add_ps(
         _mm512_add_ps(bf16_to_float(x + i * kGroup), bf16_to_float(x + i * kGroup + kTile)));
   const Problem p{x, group_sums.data(), codes, scales, y, n, k};
-  struct Task { int64_t expert, first, last; };
-  int64_t active = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (start[e + 1] < start[e]) return 1;
-    active += start[e + 1] > start[e];
-  }
   // Long tasks (fewer cold starts of the codes' streams), yet several per thread.
   const int64_t per_task = std::clamp<int64_t>(p.tiles() * active / (4 * threads), 8, 32);
+  struct Task { int64_t expert, first, last; };
   std::vector<Task> tasks;
   for (int64_t e = 0; e < experts; ++e) {
-    if (start[e + 1] == start[e]) continue;
+    if (counts[e] == 0) continue;
     for (int64_t first = 0; first < p.tiles(); first += per_task)
       tasks.push_back({e, first, std::min(p.tiles(), first + per_task)});
   }
