@@ -47,7 +47,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         groups = kept_groups(model, gguf_tensors) if keep_codes else {}
         skip = codes_only(groups)
         elsewhere = frozenset(expert_name for name in skip for expert_name in
-                              each_expert(hf_tensor_name(name, config.model_type), config))
+                              expert_names(hf_tensor_name(name, config.model_type), config))
         tensors: Iterable[tuple[str, CheckpointTensor]] = float_tensors(gguf_tensors, hf_config,
                                                                        skip)
     else:
@@ -63,7 +63,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def each_expert(name: str, config: ModelConfig) -> list[str]:
+def expert_names(name: str, config: ModelConfig) -> list[str]:
     """A stacked experts' name (`...experts.{}.gate_proj.weight`) as every expert's."""
     if "{}" not in name or config.moe is None:
         return [name]
