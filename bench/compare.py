@@ -4,14 +4,17 @@
         [--concurrency 1,8,32,64] [--url [NAME=]URL ...] [--peer NAME='COMMAND {port}' ...]
         [--launch-args "--dtype float32"]
         [workload and request flags of bench.serve] [--output FILE] [--plot DIR]
-        [--save-json FILE]
+        [--save-json FILE] [--rounds N]
 
 The defaults are workload W1: 64 chat prompts of about 100 tokens from the project's
 prompts file, 128 output tokens forced with ignore_eos. Modes: `continuous`, `static`
 (--batching static) and `seqs1` (--max-num-seqs 1). Each (mode, concurrency) runs on a
 freshly started server, so no run finds the previous run's prompts in the prefix cache;
 --reuse-server keeps one server per mode. `--peer` servers are started the same way, fresh
-per cell, from their command line; `--url` targets are used as they are.
+per cell, from their command line; `--url` targets are used as they are. `--rounds N` runs
+every cell N times, the targets' order rotated each round (each target goes first, second...
+alike, so a machine that drifts weighs on all of them), and adds a table of the medians and
+each target's ratio to the first target's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from statistics import median
 
 from bench.datasets import BenchTokenizer, SampleRequest, build_dataset
 from bench.launched import LoomServer
@@ -64,6 +68,7 @@ class Run:
     target: str
     concurrency: int
     result: RunResult
+    round: int = 0
 
 
 def parse_targets(args: argparse.Namespace) -> list[Target]:
@@ -129,20 +134,43 @@ def _ms(value: float | None) -> str:
 
 def markdown_table(runs: list[Run]) -> str:
     lines = [
-        "| target | concurrency | ok / failed | duration s | req/s | output tok/s "
+        "| target | concurrency | round | ok / failed | duration s | req/s | output tok/s "
         "| total tok/s | TTFT p50 ms | TTFT mean ms | TTFT p99 ms | TPOT mean ms | TPOT p99 ms "
         "| ITL p50 ms | ITL p99 ms | E2E p50 ms | step p99 ms |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for run in runs:
         m, step = run.result.metrics, run.result.step_time
         lines.append(
-            f"| {run.target} | {run.concurrency} | {m.completed} / {m.failed} "
+            f"| {run.target} | {run.concurrency} | {run.round + 1} | {m.completed} / {m.failed} "
             f"| {m.duration_s:.1f} | {m.request_throughput:.2f} | {m.output_throughput:.1f} "
             f"| {m.total_token_throughput:.1f} | {_ms(m.ttft_ms.median)} | {_ms(m.ttft_ms.mean)} "
             f"| {_ms(m.ttft_ms.p99)} | {_ms(m.tpot_ms.mean)} | {_ms(m.tpot_ms.p99)} "
             f"| {_ms(m.itl_ms.median)} | {_ms(m.itl_ms.p99)} "
             f"| {_ms(m.e2el_ms.median)} | {_ms(step.p99_ms if step else None)} |")
+    return "\n".join(lines)
+
+
+def medians_table(runs: list[Run]) -> str:
+    """Per target and concurrency: each round's output tok/s, their median, its ratio to the
+    first target's median at that concurrency, and the median TTFT p50."""
+    cells: dict[tuple[str, int], list[Run]] = {}
+    for run in runs:
+        cells.setdefault((run.target, run.concurrency), []).append(run)
+    first_target = runs[0].target
+    lines = ["| target | concurrency | output tok/s by round | median | / " + first_target
+             + " | TTFT p50 ms (median) |", "|---|--:|---|--:|--:|--:|"]
+    for (target, concurrency), cell in cells.items():
+        cell.sort(key=lambda run: run.round)
+        speeds = [run.result.metrics.output_throughput for run in cell]
+        ttfts = [run.result.metrics.ttft_ms.median for run in cell]
+        reference = [run.result.metrics.output_throughput
+                     for run in cells.get((first_target, concurrency), [])]
+        ratio = median(speeds) / median(reference) if reference else None
+        lines.append(
+            f"| {target} | {concurrency} | {' '.join(f'{speed:.1f}' for speed in speeds)} "
+            f"| {median(speeds):.1f} | {'n/a' if ratio is None else f'{ratio:.3f}'} "
+            f"| {_ms(median([t for t in ttfts if t is not None]) if any(ttfts) else None)} |")
     return "\n".join(lines)
 
 
@@ -172,7 +200,9 @@ def report(runs: list[Run], args: argparse.Namespace, argv: list[str],
         f"{prompt_lens[len(prompt_lens) // 2]}), max_tokens {args.output_len}"
         f"{' forced (ignore_eos)' if args.ignore_eos else ''}, request rate "
         f"{args.request_rate:g}/s, temperature {args.temperature:g}\n\n"
-        f"{markdown_table(runs)}\n{step_note}")
+        f"{markdown_table(runs)}\n{step_note}"
+        + (f"\nMedians over {args.rounds} rounds (the targets' order rotated each round):\n\n"
+           f"{medians_table(runs)}\n" if args.rounds > 1 else ""))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -200,6 +230,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              '(write --launch-args="--dtype float32")')
     parser.add_argument("--reuse-server", action="store_true",
                         help="one Loom server per mode for all concurrency levels")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every cell this many times, the targets' order rotated "
+                             "each round, and report the medians")
     parser.add_argument("--output", type=Path, default=None, help="write the markdown here")
     parser.add_argument("--save-json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, metavar="DIR")
@@ -214,6 +247,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     from common.default_model import resolve_model
 
     model_dir = resolve_model(args.model, progress=lambda text: print(text, file=sys.stderr))
@@ -223,9 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(level) for level in args.concurrency.split(",") if level]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="loom-compare-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    targets = parse_targets(args)
     runs: list[Run] = []
-    for target in parse_targets(args):
-        runs.extend(run_target(target, levels, args, samples, tokenizer, log_dir))
+    for round_index in range(args.rounds):
+        shift = round_index % len(targets) if targets else 0
+        for target in targets[shift:] + targets[:shift]:
+            for run in run_target(target, levels, args, samples, tokenizer, log_dir):
+                run.round = round_index
+                runs.append(run)
+    position = {target.name: index for index, target in enumerate(targets)}
+    runs.sort(key=lambda run: position[run.target])  # stable: rounds stay in order
     text = report(runs, args, argv, samples)
     print(text)
     if args.output:
@@ -234,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_json:
         args.save_json.parent.mkdir(parents=True, exist_ok=True)
         args.save_json.write_text(json.dumps(
-            [{"target": run.target, "concurrency": run.concurrency, **run.result.to_dict()}
+            [{"target": run.target, "concurrency": run.concurrency, "round": run.round,
+              **run.result.to_dict()}
              for run in runs], indent=1))
     if args.plot:
         from bench.plots import plot_comparison
