@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,9 @@ from engine.request import Request
 # and the token followed it at least this share of the time.
 SURE_CONTEXT = 6
 SURE_SHARE = 0.5
+# Up to this many positions are counted one by one (a dozen integer operations a context);
+# more, a context length at a time over numpy arrays (~10 us a length to set up).
+FEW_POSITIONS = 4
 
 _MASK = (1 << 64) - 1
 _BASE = 1_000_003
@@ -99,23 +103,30 @@ class FollowCounts:
     def add(self, tokens: list[int], start: int, stop: int, sign: int = 1) -> None:
         """Counts the tokens at positions start..stop-1 after their contexts."""
         start = max(start, 1)
-        counts = self.counts
+        if stop - start <= FEW_POSITIONS:  # a step's new tokens: no arrays for so few
+            self._count(((key, tokens[position]) for position in range(start, stop)
+                         for _, key in context_hashes(tokens, position, self.max_depth,
+                                                      self.lengths)), sign)
+            return
         for length in self.lengths:
             begin = max(start, length)  # the first position with a whole context
-            if begin >= stop:
-                continue
-            keys = window_hashes(tokens, begin - length, stop - 1, length).tolist()
-            for key, token in zip(keys, tokens[begin:stop], strict=True):
-                follow = counts.get(key)
-                if follow is None:
-                    follow = counts[key] = {}
-                count = follow.get(token, 0) + sign
-                if count > 0:
-                    follow[token] = count
-                else:
-                    follow.pop(token, None)
-                    if not follow:
-                        del counts[key]
+            if begin < stop:
+                keys = window_hashes(tokens, begin - length, stop - 1, length).tolist()
+                self._count(zip(keys, tokens[begin:stop], strict=True), sign)
+
+    def _count(self, pairs: Iterable[tuple[int, int]], sign: int) -> None:
+        counts = self.counts
+        for key, token in pairs:
+            follow = counts.get(key)
+            if follow is None:
+                follow = counts[key] = {}
+            count = follow.get(token, 0) + sign
+            if count > 0:
+                follow[token] = count
+            else:
+                follow.pop(token, None)
+                if not follow:
+                    del counts[key]
 
 
 @dataclass(slots=True)
