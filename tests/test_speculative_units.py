@@ -16,6 +16,7 @@ from engine.speculative.cost import StepCost
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Acceptance, Speculator
 from engine.speculative.suffix import (
+    FollowCounts,
     SuffixProposer,
     context_hashes,
     counted_lengths,
@@ -163,6 +164,24 @@ def test_every_positions_context_hashes_at_once_equal_the_lookups_one_by_one():
         one_by_one = [dict(context_hashes(tokens, end, 24, lengths))[length]
                       for end in range(300, 651)]
         assert at_once == one_by_one
+
+
+def test_counting_a_step_at_a_time_equals_counting_a_sequence_at_once():
+    """A running request's few new tokens a step (counted one by one) and a finished output
+    (counted a context length at a time) leave the same counts; taking one back removes it."""
+    rng = random.Random(6)
+    tokens = [rng.randrange(40) for _ in range(300)]
+    at_once, by_steps = FollowCounts(24), FollowCounts(24)
+    at_once.add(tokens, 0, len(tokens))
+    start = 0
+    while start < len(tokens):
+        step = rng.choice([1, 2, 3, 5, 9])
+        by_steps.add(tokens, start, min(start + step, len(tokens)))
+        start += step
+    assert by_steps.counts == at_once.counts and len(at_once.counts) > 1000
+    by_steps.add(tokens, 150, 152, sign=-1)
+    at_once.add(tokens[:152], 150, 152, sign=-1)
+    assert by_steps.counts == at_once.counts
 
 
 def test_suffix_drafts_stop_where_the_context_is_too_uncertain():
