@@ -20,7 +20,7 @@ from engine.attention.selector import select_attention_backend
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels import paged_decode
 from engine.kernels.elementwise import rows_of_contiguous_heads
-from engine.kernels.paged_prefill import tiled_prefill_supports
+from engine.kernels.paged_prefill import prefill_kind, tiled_prefill_supports
 from engine.platform.cpu import native_bf16_matmul
 
 
@@ -55,8 +55,12 @@ CASES = [
     Case("long_prefills_beside_short_ones", ((1, 30), (600, 600), (520, 700), (40, 90))),
 ]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
-has_amx_tiles = tiled_prefill_supports(torch.bfloat16, 64, 16)
-needs_amx = pytest.mark.skipif(not has_amx_tiles, reason="this CPU has no AMX tiles")
+has_tiled_prefill = tiled_prefill_supports(torch.bfloat16, 64, 16)
+needs_tiled_prefill = pytest.mark.skipif(not has_tiled_prefill,
+                                         reason="this CPU has neither AMX nor AVX512-BF16")
+# Where the CPU has AMX the tiled kernel's products run on tiles and, with LOOM_CPU_AMX=0, in
+# vector registers: both are tested there.
+PREFILL_PRODUCTS = ["tiles", "vectors"] if prefill_kind() == 2 else ["vectors"]
 # Decode implementations: the C++ kernel, and the torch path's two ways, one with every
 # decode in one bucket and one forced to split into several.
 DECODE_IMPLS = {
@@ -90,7 +94,7 @@ def one_thread() -> Iterator[None]:
 
 
 def backend_for(impl: str, case: Case, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
-    if impl == "cpp_tiled":  # the AMX prefill kernel for the chunks, beside the decode one
+    if impl == "cpp_tiled":  # the tiled prefill kernel for the chunks, beside the decode one
         return CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=True)
     settings = DECODE_IMPLS[impl]
     if "BUCKET_OVERHEAD_BLOCKS" in settings:  # a knob of the step's plan
@@ -190,7 +194,8 @@ def test_several_threads(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", [*DECODE_IMPLS, pytest.param("cpp_tiled", marks=needs_amx)])
+@pytest.mark.parametrize("impl", [*DECODE_IMPLS,
+                                  pytest.param("cpp_tiled", marks=needs_tiled_prefill)])
 def test_views_of_a_fused_qkv_projection(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     case = next(c for c in CASES if c.name == "mixed")
     backend = backend_for(impl, case, monkeypatch)
@@ -384,7 +389,7 @@ def test_the_torch_backend_picks_its_decode_kernel_from_device_and_dtype(
     assert decode_kernel("cpu", torch.bfloat16) == ("matmul" if native_bf16_matmul() else "sdpa")
 
 
-# The AMX prefill kernel: every case with a prefill chunk it can take (bf16, head_dim a
+# The tiled prefill kernel: every case with a prefill chunk it can take (bf16, head_dim a
 # multiple of 32, 16-token blocks), every chunk of two rows and more sent to it.
 TILED_CASES = [
     *(case for case in CASES if any(query_len > 1 for query_len, _ in case.requests)
@@ -395,18 +400,20 @@ TILED_CASES = [
 ]
 
 
-@needs_amx
+@needs_tiled_prefill
+@pytest.mark.parametrize("products", PREFILL_PRODUCTS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("window", "softcap"),
                          [(None, None), (7, None), (45, None), (None, 2.0), (16, 2.0)])
 @pytest.mark.parametrize("case", TILED_CASES, ids=lambda case: case.name)
-def test_the_amx_prefill_kernel_matches_the_reference(
-    case: Case, window: int | None, softcap: float | None, threads: int,
+def test_the_tiled_prefill_kernel_matches_the_reference(
+    case: Case, window: int | None, softcap: float | None, threads: int, products: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fresh chunks and chunks on cached blocks, row blocks cut short by a chunk's end, beside
     decodes and beside each other; windows and caps."""
     monkeypatch.setattr(attention_metadata, "TILED_PREFILL_MIN_TOKENS", 2)
+    monkeypatch.setenv("LOOM_CPU_AMX", "1" if products == "tiles" else "0")
     backend = CpuBackend(case.block_size, case.num_kv_heads, tiled_prefill=True)
     inputs = make_inputs(case, torch.bfloat16, seed=7)
     if softcap is not None:
@@ -424,7 +431,7 @@ def test_the_amx_prefill_kernel_matches_the_reference(
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
-def test_long_prefills_go_to_the_amx_kernel_where_the_cpu_has_tiles(
+def test_long_prefills_go_to_the_tiled_kernel_where_the_cpu_has_amx_or_avx512_bf16(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def tiled(dtype: torch.dtype, dim: int = 64, block_size: int = 16) -> bool:
@@ -432,24 +439,27 @@ def test_long_prefills_go_to_the_amx_kernel_where_the_cpu_has_tiles(
         return backend.tiled_prefill
 
     flags = set(Path("/proc/cpuinfo").read_text().split())
-    assert tiled(torch.bfloat16) == ({"amx_tile", "amx_bf16"} <= flags)
-    assert tiled(torch.bfloat16, dim=128) == tiled(torch.bfloat16, dim=256) == has_amx_tiles
-    assert not tiled(torch.float32)  # the kernel multiplies bf16 tiles only
+    assert tiled(torch.bfloat16) == (
+        {"amx_tile", "amx_bf16"} <= flags or {"avx512_bf16", "avx512bw"} <= flags)
+    assert tiled(torch.bfloat16, dim=128) == tiled(torch.bfloat16, dim=256) == has_tiled_prefill
+    assert not tiled(torch.float32)  # the kernel multiplies bf16 pairs only
     assert not tiled(torch.bfloat16, block_size=8)  # a tile's 16 key rows span two blocks
     assert not tiled(torch.bfloat16, dim=48)  # a tile row holds 32 dims
-    monkeypatch.setenv("LOOM_CPU_AMX", "0")
+    monkeypatch.setenv("LOOM_CPU_TILED_PREFILL", "0")
     assert not tiled(torch.bfloat16)
 
 
-@needs_amx
+@needs_tiled_prefill
+@pytest.mark.parametrize("products", PREFILL_PRODUCTS)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (45, None), (None, 2.0)])
-def test_the_amx_prefill_kernel_gives_a_row_the_same_bits_however_its_prompt_is_chunked(
-    window: int | None, softcap: float | None,
+def test_the_tiled_prefill_kernel_gives_a_row_the_same_bits_however_its_prompt_is_chunked(
+    window: int | None, softcap: float | None, products: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A prompt of 150 tokens whole, then as its last 111 rows on 39 cached ones beside
     another request: the shared rows' outputs are equal bit for bit (rows land at other
     offsets of their 16-row blocks, and steps are plain or masked differently). The scale is
     not a power of two, so that rounding its products differently would show."""
+    monkeypatch.setenv("LOOM_CPU_AMX", "1" if products == "tiles" else "0")
     scale = 80**-0.5
     inputs = make_inputs(Case("whole", ((150, 150),)), torch.bfloat16, seed=9)
     backend = CpuBackend(16, 3, tiled_prefill=True)
@@ -474,7 +484,8 @@ def test_the_amx_prefill_kernel_gives_a_row_the_same_bits_however_its_prompt_is_
 
 @pytest.mark.parametrize(("dtype", "tiled"), [
     (torch.float32, False), (torch.bfloat16, False),
-    pytest.param(torch.bfloat16, True, marks=needs_amx)], ids=["fp32", "bf16", "bf16-amx"])
+    pytest.param(torch.bfloat16, True, marks=needs_tiled_prefill)],
+    ids=["fp32", "bf16", "bf16-tiled"])
 def test_drafted_decodes_are_rows_of_the_decode_kernel_and_match_the_reference(
         tiled: bool, dtype: torch.dtype) -> None:
     """A verified request's rows (its last token and its drafts) are decodes at their own

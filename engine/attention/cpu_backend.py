@@ -1,10 +1,11 @@
 """Paged attention on the CPU with our C++ kernel (engine/kernels/cpu/paged_decode.cpp).
 
 The kernel reads the paged cache in place for every request with one new token ("decodes").
-On bf16 caches where the CPU has tiles, every prefill chunk takes the AMX prefill kernel
-(engine/kernels/cpu/paged_prefill.cpp); elsewhere the decode kernel takes every row of every
-chunk, each row a decode over its own causal prefix (engine.attention.metadata.plan_step). In
-batch-invariant mode every row is a decode row. The step's KV write is one C++ call.
+On bf16 caches where the CPU has AMX or AVX512-BF16, every prefill chunk takes the tiled
+prefill kernel (engine/kernels/cpu/paged_prefill.cpp); elsewhere the decode kernel takes
+every row of every chunk, each row a decode over its own causal prefix
+(engine.attention.metadata.plan_step). In batch-invariant mode every row is a decode row.
+The step's KV write is one C++ call.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, block_size: int, num_kv_heads: int, tiled_prefill: bool = False,
                  rows_only: bool = False) -> None:
-        """`tiled_prefill`: long prefill chunks take the AMX kernel (the selector checks
+        """`tiled_prefill`: long prefill chunks take the tiled kernel (the selector checks
         `tiled_prefill_supports` for the cache's dtype and shape); `rows_only`: every query
         row is a decode row of the C++ kernel (batch-invariant mode)."""
         super().__init__(block_size, num_kv_heads)

@@ -21,12 +21,12 @@ from engine.attention.workspace import DEFAULT_WORKSPACE, Workspace
 from engine.kv_cache_groups import blocks_for
 from engine.platform.host_copy import int_tensor
 
-# Without the tiled (AMX) prefill kernel, the C++ decode kernel takes every prefill chunk, each
-# query row a decode over its own causal prefix: no masked rectangle on cached tokens, a row's
-# bits the same however its prompt is chunked, and faster than SDPA at every length measured
-# (AVX-512 without AMX, bf16 and fp32: 2,048 fresh tokens 24 vs 51 ms a layer, 1,024 on 1,024
-# cached 24 vs 60; docs/benchmarks.md).
-# Where the backend has the AMX prefill kernel, it takes every chunk of this many tokens and
+# Without the tiled prefill kernel (fp32 caches; CPUs with neither AMX nor AVX512-BF16), the
+# C++ decode kernel takes every prefill chunk, each query row a decode over its own causal
+# prefix: no masked rectangle on cached tokens, a row's bits the same however its prompt is
+# chunked, and faster than SDPA at every length measured (AVX-512, bf16 and fp32: 2,048 fresh
+# tokens 24 vs 51 ms a layer, 1,024 on 1,024 cached 24 vs 60; docs/benchmarks.md).
+# Where the backend has the tiled prefill kernel, it takes every chunk of this many tokens and
 # more: all of them, so that a prompt's rows come out the same whether its first blocks were
 # cached (a short chunk left) or not (a long one) (engine.layers.batch_invariant). Below 16
 # rows the decode kernel's rows are ~0.03 ms a layer faster; from 16 on, the tiles are.
@@ -57,7 +57,7 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class PrefillBatch:
-    """Prefill chunks for the AMX prefill kernel: each chunk's rows over its whole context."""
+    """Prefill chunks for the tiled prefill kernel: each chunk's rows over its whole context."""
 
     chunks: list[PrefillChunk]
     q_starts: torch.Tensor  # [n] int64: the chunks' first rows of q
@@ -84,7 +84,7 @@ class StepPlan:
     prefills: list[PrefillChunk]
     # The C++ kernel's rows: every decode, then every row of the prefill chunks it takes
     kernel_rows: DecodeBatch | None = None
-    tiled_prefills: PrefillBatch | None = None  # the long chunks, where the AMX kernel serves
+    tiled_prefills: PrefillBatch | None = None  # the long chunks, where the tiled kernel serves
     kernel_prefills: frozenset[int] = frozenset()  # requests whose chunk is in either
 
     def kernel_covers(self, chunk: PrefillChunk) -> bool:
@@ -175,7 +175,7 @@ class AttentionMetadata:
 def plan_step(metadata: AttentionMetadata, block_size: int, kernel: bool,
               tiled_prefill: bool = False, rows_only: bool = False) -> StepPlan:
     """`kernel`: the C++ kernel takes every decode, and every row of the prefill chunks and
-    drafted decodes the tiled kernel does not take; `tiled_prefill`: the AMX kernel takes the
+    drafted decodes the tiled kernel does not take; `tiled_prefill`: the tiled kernel takes the
     chunks of TILED_PREFILL_MIN_TOKENS and more but drafted decodes (`row_requests`: a few
     rows would cost it their context's layout); `rows_only`: every row of every chunk is a
     decode row (batch-invariant mode: one kernel per row)."""

@@ -1,8 +1,8 @@
 """The attention backend, chosen once at start-up from device, dtype, CPU and model shape.
 
 CUDA with triton installed (and power-of-two head dim and block size): Triton. A CPU where
-our C++ kernel builds and fits the heads: the C++ backend (with the AMX prefill kernel for
-bf16 caches where the CPU has tiles; 8-bit caches too). Anything else: torch ops.
+our C++ kernel builds and fits the heads: the C++ backend (with the tiled prefill kernel for
+bf16 caches where the CPU has AMX or AVX512-BF16; 8-bit caches too). Anything else: torch ops.
 `LOOM_TRITON_ATTENTION=0` and `LOOM_CPP_DECODE=0` rule a kernel out (to compare, or to work
 around one).
 """

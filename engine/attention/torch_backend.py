@@ -42,7 +42,7 @@ DecodeKernel = Literal["matmul", "sdpa"]
 class TorchBackend(AttentionBackend):
     name = "torch"
     uses_kernel = False  # the C++ kernel serves the plan's kernel rows (see cpu_backend)
-    tiled_prefill = False  # ... and the AMX kernel its long prefill chunks
+    tiled_prefill = False  # ... and the tiled kernel its long prefill chunks
     rows_only = False  # ... or every query row (batch-invariant mode)
 
     def __init__(self, block_size: int, num_kv_heads: int,

@@ -1,7 +1,8 @@
-"""Prefill attention on AMX tiles (`kernels/cpu/paged_prefill.cpp`): each chunk's queries, 16
-rows at a time, over their causal context read in place from the paged bf16 cache, as flash
-attention (online softmax in fp32). Only where the CPU has AMX and Linux permits its tiles;
-`LOOM_CPU_AMX=0` turns it off (long chunks then take SDPA).
+"""Tiled prefill attention (`kernels/cpu/paged_prefill.cpp`): each chunk's queries, 16 rows at
+a time, over their causal context read in place from the paged bf16 cache, as flash attention
+(online softmax in fp32), the products on AMX tiles where the CPU has them (and Linux permits
+them) and in AVX512-BF16 vectors elsewhere. `LOOM_CPU_AMX=0` keeps it off the tiles;
+`LOOM_CPU_TILED_PREFILL=0` turns it off (every chunk then runs as rows of the decode kernel).
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ PREFILL_STEP_KEYS = 32  # the kernel pads each chunk's keys to this in its V^T s
 
 def tiled_prefill_supports(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """bf16 caches, head_dim a multiple of 32 up to 256, blocks of whole 16-token tiles, and
-    a kernel that builds and may use the tiles here."""
+    a kernel that builds here (AMX tiles or AVX512-BF16)."""
     return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
-            and block_size % 16 == 0 and kernel_enabled("LOOM_CPU_AMX")
-            and load_cpp_prefill() is not None)
+            and block_size % 16 == 0 and kernel_enabled("LOOM_CPU_TILED_PREFILL")
+            and prefill_kind() > 0)
+
+
+def prefill_on_tiles() -> bool:
+    """The kernel's products on AMX tiles (else in vector registers)."""
+    return prefill_kind() == 2 and kernel_enabled("LOOM_CPU_AMX")
 
 
 def run_paged_prefill(
@@ -53,20 +59,29 @@ def run_paged_prefill(
         tables.stride(0), batch.q_starts.data_ptr(), batch.query_lens.data_ptr(),
         batch.seq_lens.data_ptr(), batch.size, q.shape[1], num_kv_heads, block_size, head_dim,
         scale, window or 0, softcap or 0.0, values_t.data_ptr(), values_t.numel(),
-        out.data_ptr(), torch.get_num_threads(),
+        int(prefill_on_tiles()), out.data_ptr(), torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"tiled prefill kernel refused its arguments ({status})")
 
 
 @functools.cache
-def load_cpp_prefill() -> ctypes._CFuncPtr | None:
-    """The kernel, or None where it cannot be built or the CPU (or Linux) gives no tiles."""
-    library = load_library("paged_prefill", "SDPA", {
-        "loom_prefill_tiles_available": ([], ctypes.c_int),
+def prefill_library() -> ctypes.CDLL | None:
+    return load_library("paged_prefill", "the decode kernel's rows", {
+        "loom_prefill_kind": ([], ctypes.c_int),
         "loom_paged_prefill": ([PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64,
-                                I64, FLOAT, I64, FLOAT, PTR, I64, PTR, INT], ctypes.c_int),
+                                I64, FLOAT, I64, FLOAT, PTR, I64, INT, PTR, INT], ctypes.c_int),
     })
-    if library is None or not library.loom_prefill_tiles_available():
-        return None
-    return library.loom_paged_prefill
+
+
+@functools.cache
+def prefill_kind() -> int:
+    """2: AMX tiles or vectors; 1: AVX512-BF16 vectors only; 0: no kernel here."""
+    library = prefill_library()
+    return 0 if library is None else library.loom_prefill_kind()
+
+
+def load_cpp_prefill() -> ctypes._CFuncPtr | None:
+    """The kernel, or None where it cannot be built or the CPU has neither AMX nor
+    AVX512-BF16."""
+    return prefill_library().loom_paged_prefill if prefill_kind() else None

@@ -1,11 +1,12 @@
-// Prefill attention over the paged cache on AMX tiles: flash attention with the key axis down
-// the tiles. One task per (chunk, query head, 16 query rows): the scores of 16 keys for the
-// 16 queries are one tile product S^T = K . Q^T (the keys' rows as they lie in the cache, Q^T
-// laid out once per task as the bf16 pairs a tile multiply takes); the online softmax runs
-// over 32 keys at a time in vectors of the 16 queries, so no sum or maximum crosses lanes; and
-// the weighted values accumulate as O^T += V^T . P^T, V^T laid out once per (chunk, KV head)
-// before the tasks. bf16 caches on a CPU with AMX only: callers ask
-// loom_prefill_tiles_available() first.
+// Prefill attention over the paged cache: flash attention with the key axis down the tiles.
+// One task per (chunk, query head, 16 query rows): the scores of 16 keys for the 16 queries
+// are one product S^T = K . Q^T (the keys' rows as they lie in the cache, Q^T laid out once
+// per task as the bf16 pairs a dot product of pairs takes); the online softmax runs over 32
+// keys at a time in vectors of the 16 queries, so no sum or maximum crosses lanes; and the
+// weighted values accumulate as O^T += V^T . P^T, V^T laid out once per (chunk, KV head)
+// before the tasks. The products run on AMX tiles where the CPU has them, else on AVX512-BF16
+// vectors (vdpbf16ps, a query a lane, a key's dim pair broadcast). bf16 caches only: callers
+// ask loom_prefill_kind() first.
 #include "amx.h"
 #include "avx512.h"
 #include "numerics.h"
@@ -14,9 +15,13 @@
 #include <cmath>
 #include <vector>
 
+#if defined(LOOM_AMX_TILES) || (defined(__AVX512BF16__) && defined(__AVX512BW__))
+#define LOOM_PREFILL_KERNEL 1
+#endif
+
 namespace {
 
-#if defined(LOOM_AMX_TILES)
+#if defined(LOOM_PREFILL_KERNEL)
 
 constexpr int kRows = 16;  // query rows per task: a tile's columns
 constexpr int kStep = 32;  // keys per softmax step: the depth of one value tile
@@ -27,6 +32,7 @@ struct Shape {
   float scale;
   int64_t window;  // > 0: each query sees its last `window` keys
   float softcap;  // > 0: every scaled score s becomes softcap * tanh(s / softcap)
+  bool tiles;  // the products on AMX tiles (else in vector registers)
 
   int64_t group() const { return num_heads / num_kv_heads; }
 };
@@ -97,6 +103,7 @@ struct Scratch {
   alignas(64) float sums[kMaxDim][kRows];  // O^T
 };
 
+#if defined(LOOM_AMX_TILES)
 // Tiles, all 16 rows of 64 bytes: 0 = A (16 key rows of 32 dims, or 16 dims of 32 keys);
 // 1 = B (Q^T, or P^T); 2, 3 = the scores of a step's two halves (then A, as 0); 4-7 = the
 // sums of 64 dims, kept in the tiles over a task's walk where the head has no more.
@@ -104,6 +111,42 @@ void load_tile_shapes() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
+}
+#endif
+
+// A bf16 pair (two adjacent values) in every lane.
+inline __m512bh pair_in_lanes(const uint16_t* pair) {
+  return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(pair));
+}
+
+// Vector products, 16 queries a lane each. scores[r] = S^T row r for 16 key rows `dim`
+// apart: the queries' dim pairs against each key's (the same sums, pair by pair, as a tile's).
+inline void score_16_keys(const uint32_t* queries_t, const uint16_t* keys, int64_t dim,
+                          float (*scores)[16]) {
+  __m512 sums[16];
+  for (__m512& sum : sums) sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const __m512bh queries = (__m512bh)_mm512_load_si512(queries_t + i * 16);
+    for (int r = 0; r < 16; ++r)
+      sums[r] = _mm512_dpbf16_ps(sums[r], queries, pair_in_lanes(keys + r * dim + 2 * i));
+  }
+  for (int r = 0; r < 16; ++r) _mm512_store_ps(scores[r], sums[r]);
+}
+
+// sums[d] += V^T[d] . P^T for `dims` dims: each dim's 16 key pairs against the weights' pairs.
+inline void accumulate_values(const uint32_t (*weights_t)[16], const uint16_t* values_t,
+                              int64_t dims, int64_t step, float (*sums)[16]) {
+  __m512bh weights[16];
+  for (int k = 0; k < 16; ++k) weights[k] = (__m512bh)_mm512_load_si512(weights_t[k]);
+  for (int64_t d = 0; d < dims; d += 8) {  // dims: a multiple of 32
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_load_ps(sums[d + j]);
+    for (int k = 0; k < 16; ++k)
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], weights[k],
+                                  pair_in_lanes(values_t + (d + j) * step + 2 * k));
+    for (int j = 0; j < 8; ++j) _mm512_store_ps(sums[d + j], acc[j]);
+  }
 }
 
 constexpr int64_t kResidentDims = 64;
@@ -128,7 +171,7 @@ class RowBlock {
            const Shape& s, Scratch& w)
       : c_(c), s_(s), w_(w), head_(head), row0_(row0),
         rows_(std::min<int64_t>(kRows, c.query_len - row0)), first_(c.first_pos() + row0),
-        resident_(s.dim <= kResidentDims) {
+        resident_(s.tiles && s.dim <= kResidentDims) {
     // Q^T: the rows' dim pairs gathered across them (rows past the chunk read as 0).
     const auto* pairs = reinterpret_cast<const int*>(q + (c.q_start + row0) * q_stride +
                                                      head * s.dim);
@@ -173,6 +216,13 @@ class RowBlock {
     const uint16_t* low = key_rows(k_cache, c_, kv_head, key, s_);
     const uint16_t* high = key + 16 < end() ? key_rows(k_cache, c_, kv_head, key + 16, s_)
                                             : nullptr;
+    if (!s_.tiles) {
+      score_16_keys(&w_.queries_t[0][0][0], low, s_.dim, w_.scores[buffer]);
+      if (high != nullptr) score_16_keys(&w_.queries_t[0][0][0], high, s_.dim, w_.scores[buffer] + 16);
+      else std::fill(&w_.scores[buffer][16][0], &w_.scores[buffer][16][0] + 16 * kRows, 0.f);
+      return;
+    }
+#if defined(LOOM_AMX_TILES)
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ch = 0; ch < s_.dim / 32; ++ch) {
@@ -185,6 +235,7 @@ class RowBlock {
     }
     _tile_stored(2, w_.scores[buffer][0], 64);
     _tile_stored(3, w_.scores[buffer][16], 64);
+#endif
   }
 
   // Every row of the block sees every key of the step, and no cap transforms the scores.
@@ -271,6 +322,11 @@ class RowBlock {
   // values through tiles 0, 2 and 3 in turn.
   void accumulate(int64_t key, int buffer) {
     const uint16_t* values_t = values_t_at(c_, head_ / s_.group(), key, s_);
+    if (!s_.tiles) {
+      accumulate_values(w_.weights_t[buffer], values_t, s_.dim, kStep, w_.sums);
+      return;
+    }
+#if defined(LOOM_AMX_TILES)
     _tile_loadd(1, w_.weights_t[buffer], 64);
     for (int64_t d = 0; d < s_.dim; d += kResidentDims) {
       if (!resident_) load_sums(d);
@@ -290,24 +346,31 @@ class RowBlock {
       }
       if (!resident_) store_sums(d);
     }
+#endif
   }
 
   // Sums of dims [d, d + 64) between memory and tiles 4-7 (head_dim is a multiple of 32).
   // Tile numbers are immediates (the intrinsics paste them into the instruction): one
   // function per direction.
   void load_sums(int64_t d) {
+#if defined(LOOM_AMX_TILES)
     _tile_loadd(4, w_.sums[d], 64);
     _tile_loadd(5, w_.sums[d + 16], 64);
     if (d + 32 >= s_.dim) return;
     _tile_loadd(6, w_.sums[d + 32], 64);
     _tile_loadd(7, w_.sums[d + 48], 64);
+#endif
+    (void)d;
   }
   void store_sums(int64_t d) {
+#if defined(LOOM_AMX_TILES)
     _tile_stored(4, w_.sums[d], 64);
     _tile_stored(5, w_.sums[d + 16], 64);
     if (d + 32 >= s_.dim) return;
     _tile_stored(6, w_.sums[d + 32], 64);
     _tile_stored(7, w_.sums[d + 48], 64);
+#endif
+    (void)d;
   }
 
   // Row j of the output: column j of O^T over the total, 16 dims at a time.
@@ -364,24 +427,37 @@ void prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
       lay_out_values(v_cache, chunks[i], item % s.num_kv_heads, key, s);
     }
     Scratch scratch;
-    load_tile_shapes();
+#if defined(LOOM_AMX_TILES)
+    if (s.tiles) load_tile_shapes();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < int64_t(tasks.size()); ++t) {
       const Task& task = tasks[t];
       RowBlock(q, q_stride, chunks[task.chunk], task.head, task.row0, s, scratch)
           .attend(k_cache, out);
     }
-    _tile_release();
+#if defined(LOOM_AMX_TILES)
+    if (s.tiles) _tile_release();
+#endif
   }
 }
 
-#endif  // LOOM_AMX_TILES
+#endif  // LOOM_PREFILL_KERNEL
+
+bool tiles_permitted() {
+#if defined(LOOM_AMX_TILES)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
-extern "C" int loom_prefill_tiles_available() {
-#if defined(LOOM_AMX_TILES)
-  return amx_permitted() ? 1 : 0;
+// 2: the products on AMX tiles or in vectors; 1: in vectors only (AVX512-BF16); 0: no kernel.
+extern "C" int loom_prefill_kind() {
+#if defined(LOOM_PREFILL_KERNEL)
+  return tiles_permitted() ? 2 : 1;
 #else
   return 0;
 #endif
@@ -390,21 +466,22 @@ extern "C" int loom_prefill_tiles_available() {
 // Chunk i: rows [q_starts[i], q_starts[i] + query_lens[i]) of q (bf16 [T, num_heads, dim],
 // rows q_stride apart) at the end of a context of seq_lens[i] keys whose blocks are
 // tables[i * table_stride ...]; out [T, num_heads, dim] gets those rows. `values_t`: scratch
-// of at least sum_i(num_kv_heads * dim * seq_lens[i] rounded up to 32) bf16 values.
+// of at least sum_i(num_kv_heads * dim * seq_lens[i] rounded up to 32) bf16 values. `tiles`:
+// the products on AMX tiles (loom_prefill_kind() 2), else in vectors.
 extern "C" int loom_paged_prefill(const void* q, int64_t q_stride, const void* k_cache,
                                   const void* v_cache, const int64_t* tables,
                                   int64_t table_stride, const int64_t* q_starts,
                                   const int64_t* query_lens, const int64_t* seq_lens, int64_t n,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                                   int64_t dim, float scale, int64_t window, float softcap,
-                                  void* values_t, int64_t values_t_elems, void* out,
-                                  int threads) {
-#if defined(LOOM_AMX_TILES)
-  if (!amx_permitted()) return 1;
+                                  void* values_t, int64_t values_t_elems, int tiles,
+                                  void* out, int threads) {
+#if defined(LOOM_PREFILL_KERNEL)
+  if (tiles && !tiles_permitted()) return 1;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || dim % 32 || dim > kMaxDim ||
       block_size % 16)
     return 2;
-  const Shape shape{num_heads, num_kv_heads, block_size, dim, scale, window, softcap};
+  const Shape shape{num_heads, num_kv_heads, block_size, dim, scale, window, softcap, tiles != 0};
   std::vector<Chunk> chunks;
   int64_t used = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -422,7 +499,7 @@ extern "C" int loom_paged_prefill(const void* q, int64_t q_stride, const void* k
   (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)tables, (void)table_stride;
   (void)q_starts, (void)query_lens, (void)seq_lens, (void)n, (void)num_heads;
   (void)num_kv_heads, (void)block_size, (void)dim, (void)scale, (void)window, (void)softcap;
-  (void)values_t, (void)values_t_elems, (void)out, (void)threads;
+  (void)values_t, (void)values_t_elems, (void)tiles, (void)out, (void)threads;
   return 1;
 #endif
 }
