@@ -217,9 +217,12 @@ class RowBlock {
     const uint16_t* high = key + 16 < end() ? key_rows(k_cache, c_, kv_head, key + 16, s_)
                                             : nullptr;
     if (!s_.tiles) {
-      score_16_keys(&w_.queries_t[0][0][0], low, s_.dim, w_.scores[buffer]);
-      if (high != nullptr) score_16_keys(&w_.queries_t[0][0][0], high, s_.dim, w_.scores[buffer] + 16);
-      else std::fill(&w_.scores[buffer][16][0], &w_.scores[buffer][16][0] + 16 * kRows, 0.f);
+      const uint32_t* queries_t = &w_.queries_t[0][0][0];
+      score_16_keys(queries_t, low, s_.dim, w_.scores[buffer]);
+      if (high != nullptr)
+        score_16_keys(queries_t, high, s_.dim, w_.scores[buffer] + 16);
+      else
+        std::fill(&w_.scores[buffer][16][0], &w_.scores[buffer][16][0] + 16 * kRows, 0.f);
       return;
     }
 #if defined(LOOM_AMX_TILES)
