@@ -16,12 +16,13 @@ import pytest
 import torch
 from torch import nn
 
+from engine.kernels import moe_int4
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.int4_matmul import load_int4_kernel
 from engine.kernels.q8_0_matmul import load_q8_kernel
 from engine.layers.batch_invariant import MIN_ROWS_FP32
 from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
-from engine.quantization.int4 import Int4Linear
+from engine.quantization.int4 import GROUPED_KERNEL_ROWS, Int4Linear
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.q8_0 import Q8_0Linear
 from engine.quantization.registry import attach_dense_copies, quantize_linears
@@ -139,6 +140,26 @@ def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) ->
     assert calls == [layer.max_kernel_rows + 1, 64]
 
 
+def test_bf16_int4_layers_read_their_codes_up_to_the_grouped_kernels_rows() -> None:
+    """Where the grouped kernel serves (AVX512-BF16), bf16 steps of up to GROUPED_KERNEL_ROWS
+    tokens read the codes; larger ones, and every step above torch's 4 rows elsewhere, the
+    dense copy. Each equals float math on the dequantized weight."""
+    generator = torch.Generator().manual_seed(4)
+    layer = Int4Linear(torch.randn(96, 64, generator=generator).bfloat16(), None)
+    grouped = moe_int4.kernel_serves(torch.bfloat16, 32, 96, 64)
+    assert (layer.grouped_codes is not None) == grouped
+    assert layer.kernel_rows == (GROUPED_KERNEL_ROWS if grouped else layer.max_kernel_rows)
+    layer.keep_dense_copy(torch.bfloat16)
+    calls: list[int] = []
+    layer.dense.register_forward_hook(lambda _, args, __: calls.append(args[0].shape[0]))
+    for rows in range(1, layer.kernel_rows + 2):
+        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        expected = reference_product(layer, x)
+        error = (layer(x).float() - expected).abs().max().item()
+        assert error <= LAYER_TOLERANCE[torch.bfloat16] * expected.abs().max().item()
+    assert calls == [layer.kernel_rows + 1]
+
+
 @pytest.mark.parametrize(("method", "kernel_rows"), [("int8", 0), ("int4", FLOAT32_KERNEL_ROWS)])
 def test_fp32_weight_only_layers_multiply_an_fp32_copy_above_their_fp32_kernel(
         method: str, kernel_rows: int) -> None:
@@ -184,19 +205,19 @@ def test_int4_fp32_kernel_equals_float_math_on_its_codes(group_size: int) -> Non
         assert (out - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["int4", "q8_0", "q8_0-bf16"])
+@pytest.mark.parametrize("kind", ["int4", "int4-bf16", "q8_0", "q8_0-bf16"])
 def test_the_code_kernels_give_a_row_the_same_bits_whatever_shares_the_call(kind: str) -> None:
     """Each output of our int4 and Q8_0 kernels is one thread's sum in one order: a row alone,
     among 2..70 others at any position, and on 1 or 2 threads, gives the same bits (what
     batch-invariant serving needs of a product)."""
     generator = torch.Generator().manual_seed(5)
-    dtype = torch.bfloat16 if kind == "q8_0-bf16" else torch.float32
-    if kind == "int4":
+    dtype = torch.bfloat16 if kind.endswith("bf16") else torch.float32
+    if kind.startswith("int4"):
         layer: QuantizedLinear = Int4Linear.from_codes(
             torch.randint(0, 16, (48, 96), generator=generator, dtype=torch.uint8),
             torch.rand(48, 3, generator=generator), torch.randn(48, 3, generator=generator),
             None, dtype)
-        assert layer.serves_float32
+        assert layer.serves_float32 or dtype == torch.bfloat16
     else:
         layer = Q8_0Linear(torch.randint(-127, 128, (48, 96), generator=generator,
                                          dtype=torch.int8),

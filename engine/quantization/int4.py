@@ -4,12 +4,23 @@ and Q4_K codes load into it as they are (`from_codes`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from engine.kernels import moe_int4
+from engine.kernels.build import kernel_enabled
 from engine.kernels.int4_matmul import kernel_serves, pack_nibbles, run_int4_matmul, unpack_nibbles
 from engine.quantization.base import DEFAULT_GROUP_SIZE, QuantizedLinear
 
 INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at q = 8
+# bf16 steps of up to this many tokens read the codes; larger ones the packed bf16 copy, as do
+# steps with prompt rows (padded to 64: engine.layers.batch_invariant). Where the grouped
+# kernel serves (AVX512-BF16; `LOOM_CPU_INT4_GROUPED=0` turns it off for these layers) it reads
+# the codes once per 8 rows: the default model's 120 linears (Zen 4, 2 cores) 4.7 ms at 1 row,
+# 6.0 at 8, 10.1 at 16, the bf16 copy 11.8-15.0 over the same rows. torch's int4 kernel
+# (elsewhere) is slower than the copy above 4 rows.
+GROUPED_KERNEL_ROWS = 16
 
 
 class Int4Linear(QuantizedLinear):
@@ -42,9 +53,10 @@ class Int4Linear(QuantizedLinear):
 
     def _hold(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               dtype: torch.dtype) -> None:
-        """On CPU only a kernel's packed form of q is kept (torch's for bf16, ours for fp32:
-        torch's is slow there); elsewhere q itself. Until `finish_loading`, q is at hand too:
-        dense copies are made from it directly."""
+        """On CPU only a kernel's packed form of q is kept (for bf16 the grouped kernel's where
+        the CPU has AVX512-BF16, else torch's; ours for fp32: torch's is slow there); elsewhere
+        q itself. Until `finish_loading`, q is at hand too: dense copies are made from it
+        directly."""
         self.group_size = self.in_features // scale.shape[1]
         self._loading_codes: torch.Tensor | None = q.to(torch.uint8)
         # [K / group, N, 2], the layout torch's CPU kernel reads, in the activations' dtype.
@@ -52,8 +64,18 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         on_cpu = q.device.type == "cpu"
         ours = on_cpu and kernel_serves(q.device, dtype, self.group_size)
+        grouped = (on_cpu and kernel_enabled("LOOM_CPU_INT4_GROUPED")
+                   and moe_int4.kernel_serves(dtype, self.group_size, self.out_features,
+                                              self.in_features))
+        codes, scales = (moe_int4.pack_experts(q[None], scales_and_zeros[None]) if grouped
+                         else (None, None))
+        self.register_buffer("grouped_codes", codes)
+        self.register_buffer("grouped_scales", scales)
+        self._grouped_args = (codes, scales) if grouped else None
+        if grouped:
+            self.kernel_rows = GROUPED_KERNEL_ROWS
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32), 1) if on_cpu and not ours else None)
+            q.to(torch.int32), 1) if on_cpu and not ours and not grouped else None)
         self.register_buffer("nibbles", pack_nibbles(q) if ours else None)
         self.register_buffer("q", None if on_cpu else q.to(torch.uint8))
         # The kernels' arguments as plain attributes (no nn.Module __getattr__ per call).
@@ -82,6 +104,8 @@ class Int4Linear(QuantizedLinear):
         0..15; the kernel's fp32 path is far slower)."""
         if self.nibbles is not None:
             return unpack_nibbles(self.nibbles)
+        if self.grouped_codes is not None:
+            return moe_int4.unpack_experts(self.grouped_codes, self.grouped_scales)[0][0]
         if self.packed is None:
             return self.q
         if self._loading_codes is not None:
@@ -96,8 +120,16 @@ class Int4Linear(QuantizedLinear):
         self._loading_codes = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._grouped_args is not None:  # the grouped kernel, with one "expert"
+            return moe_int4.run_moe_int4(x, row_counts(x.shape[0]), *self._grouped_args)
         if self._float_kernel_args is not None:
             return run_int4_matmul(x, *self._float_kernel_args)
         if self._kernel_args is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)
         return x @ self.dequantized_weight().to(x.dtype).T
+
+
+@functools.cache
+def row_counts(rows: int) -> torch.Tensor:
+    """The grouped kernel's counts for one weight: all `rows` rows are its."""
+    return torch.tensor([rows], dtype=torch.int64)

@@ -64,7 +64,8 @@ def quantization_summary(model: nn.Module) -> str:
     first = layers[0]
     text = f"{len(layers)} {first.method} linears"
     if isinstance(first, Int4Linear):
-        text += f" (groups of {first.group_size})"
+        text += f" (groups of {first.group_size}"
+        text += ", the grouped AVX512-BF16 kernel)" if first.grouped_codes is not None else ")"
     if isinstance(first.dense, PackedLinear):
         text += (f"; steps above {first.kernel_rows} tokens on a packed "
                  f"{first.dense.packed_weight.dtype} copy")
