@@ -67,6 +67,7 @@ def run_paged_prefill(
 
 @functools.cache
 def prefill_library() -> ctypes.CDLL | None:
+    """The built kernel library (None, with one warning, where it cannot be built)."""
     return load_library("paged_prefill", "the decode kernel's rows", {
         "loom_prefill_kind": ([], ctypes.c_int),
         "loom_paged_prefill": ([PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, I64, I64,
