@@ -153,24 +153,26 @@ def markdown_table(runs: list[Run]) -> str:
 
 def medians_table(runs: list[Run]) -> str:
     """Per target and concurrency: each round's output tok/s, their median, its ratio to the
-    first target's median at that concurrency, and the median TTFT p50."""
+    first target's median at that concurrency, and the medians of total tok/s and TTFT p50."""
     cells: dict[tuple[str, int], list[Run]] = {}
     for run in runs:
         cells.setdefault((run.target, run.concurrency), []).append(run)
     first_target = runs[0].target
     lines = ["| target | concurrency | output tok/s by round | median | / " + first_target
-             + " | TTFT p50 ms (median) |", "|---|--:|---|--:|--:|--:|"]
+             + " | total tok/s (median) | TTFT p50 ms (median) |",
+             "|---|--:|---|--:|--:|--:|--:|"]
     for (target, concurrency), cell in cells.items():
         cell.sort(key=lambda run: run.round)
         speeds = [run.result.metrics.output_throughput for run in cell]
-        ttfts = [run.result.metrics.ttft_ms.median for run in cell]
+        totals = [run.result.metrics.total_token_throughput for run in cell]
+        ttfts = [t for run in cell if (t := run.result.metrics.ttft_ms.median) is not None]
         reference = [run.result.metrics.output_throughput
                      for run in cells.get((first_target, concurrency), [])]
-        ratio = median(speeds) / median(reference) if reference else None
+        ratio = f"{median(speeds) / median(reference):.3f}" if reference else "n/a"
         lines.append(
             f"| {target} | {concurrency} | {' '.join(f'{speed:.1f}' for speed in speeds)} "
-            f"| {median(speeds):.1f} | {'n/a' if ratio is None else f'{ratio:.3f}'} "
-            f"| {_ms(median([t for t in ttfts if t is not None]) if any(ttfts) else None)} |")
+            f"| {median(speeds):.1f} | {ratio} | {median(totals):.1f} "
+            f"| {_ms(median(ttfts) if ttfts else None)} |")
     return "\n".join(lines)
 
 

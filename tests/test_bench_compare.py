@@ -109,6 +109,7 @@ def test_rounds_rotate_the_targets_order_and_report_medians(tmp_path: Path) -> N
     assert medians[1][0] == "| b" and len(medians[1][2].split()) == 3
     speeds = [float(value) for value in medians[1][2].split()]
     assert float(medians[1][3]) == pytest.approx(sorted(speeds)[1], abs=0.05)
+    assert float(medians[1][5]) > float(medians[1][3])  # total tok/s counts the prompts too
 
 
 def test_rounds_below_one_are_refused() -> None:
