@@ -20,9 +20,14 @@ class Int4Experts(nn.Module):
         first = experts[0]
         self.out_features, self.in_features = first.out_features, first.in_features
         self.group_size = first.group_size
-        codes = torch.stack([expert.codes() for expert in experts])
-        scales_and_zeros = torch.stack([expert.scales_and_zeros for expert in experts])
-        packed, scales = pack_experts(codes, scales_and_zeros)
+        if all(expert.grouped_codes is not None for expert in experts):
+            # Each expert already holds the kernel's layout (as a weight of one expert).
+            packed = torch.cat([expert.grouped_codes for expert in experts])
+            scales = torch.cat([expert.grouped_scales for expert in experts])
+        else:
+            codes = torch.stack([expert.codes() for expert in experts])
+            scales_and_zeros = torch.stack([expert.scales_and_zeros for expert in experts])
+            packed, scales = pack_experts(codes, scales_and_zeros)
         self.register_buffer("codes", packed)
         self.register_buffer("scales", scales)
         self._args = (packed, scales)
