@@ -445,15 +445,15 @@ void prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
   }
 }
 
-#endif  // LOOM_PREFILL_KERNEL
-
-bool tiles_permitted() {
+inline bool tiles_permitted() {
 #if defined(LOOM_AMX_TILES)
   return amx_permitted();
 #else
   return false;
 #endif
 }
+
+#endif  // LOOM_PREFILL_KERNEL
 
 }  // namespace
 
