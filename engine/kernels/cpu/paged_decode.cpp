@@ -5,9 +5,10 @@
 // and 128 with up to 8 query heads per KV head (blocks a multiple of 16 tokens) take a path
 // that scores 16 tokens at a time and keeps the output sums in registers; with AMX, bf16
 // caches of 64 tokens and more take tile products (DecodeTiles); elsewhere the compiler
-// vectorizes the plain loops. An 8-bit cache (int8 codes, each row's fp32 scale after its
-// codes: engine/attention/quantized_kv.py) takes the plain loops, a block's rows widened to
-// fp32 as they are read.
+// vectorizes the plain loops (or AVX2 where the CPU has it). An 8-bit cache (int8 or fp8
+// codes, each row's fp32 scale after its codes: engine/attention/quantized_kv.py) takes AVX-512
+// or AVX2 the same way, its codes widened to fp32 as they are read and a row's scale applied
+// to its score and to its weight.
 #include "amx.h"
 #include "avx2.h"
 #include "avx512.h"
@@ -296,6 +297,23 @@ void decode_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* t
   }
 }
 
+// fp8 codes widened to the fp16 with the same sign, exponent and mantissa bits: exact for
+// e5m2 (fp16's top byte); e4m3's smaller exponent bias leaves its fp16 kShortBy times too
+// small, which row_scale makes up (a power of two: the products round as the values' would).
+template <typename C>
+constexpr float kShortBy = std::is_same_v<C, E4m3> ? 256.f : 1.f;
+template <typename C>
+inline float row_scale(const C* row, int64_t dim) {
+  if constexpr (kCoded<C>) {
+    float scale;
+    std::memcpy(&scale, row + dim, sizeof scale);
+    return scale * kShortBy<C>;
+  } else {
+    (void)row, (void)dim;
+    return 1.f;
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2, head_dim and the group fixed at compile time, over rows of fp32, bf16 or 8-bit codes
 // (their scale applied to each token's sums). Scores come four tokens at a time: each
@@ -307,11 +325,6 @@ inline __m256 load8(const uint16_t* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-// fp8 codes widened to the fp16 with the same sign, exponent and mantissa bits: exact for
-// e5m2 (fp16's top byte); e4m3's smaller exponent bias leaves its fp16 kShortBy times too
-// small, which row_scale makes up (a power of two: the products round as the values' would).
-template <typename C>
-constexpr float kShortBy = std::is_same_v<C, E4m3> ? 256.f : 1.f;
 inline __m128i load8_bytes(const void* p) {
   return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
 }
@@ -324,18 +337,6 @@ inline __m256 load8(const E5m2* p) {
 inline __m256 load8(const E4m3* p) {  // sign-extended, so the fp16's bit 14 is cleared
   const __m128i shifted = _mm_slli_epi16(_mm_cvtepi8_epi16(load8_bytes(p)), 7);
   return _mm256_cvtph_ps(_mm_and_si128(shifted, _mm_set1_epi16(int16_t(0xbfff))));
-}
-
-template <typename C>
-inline float row_scale(const C* row, int64_t dim) {
-  if constexpr (kCoded<C>) {
-    float scale;
-    std::memcpy(&scale, row + dim, sizeof scale);
-    return scale * kShortBy<C>;
-  } else {
-    (void)row, (void)dim;
-    return 1.f;
-  }
 }
 
 // The four tokens' sums of their vectors of partial sums, in token order.
@@ -581,6 +582,161 @@ inline int64_t dim_at(const float*, int64_t i) { return i; }
 inline int64_t dim_at(const uint16_t*, int64_t i) {
   const int64_t chunk = i / 32, j = i % 32;
   return 32 * chunk + (j < 16 ? 2 * j : 2 * (j - 16) + 1);
+}
+
+// 8-bit rows (int8 or fp8 codes and their scale) in AVX-512: 16 codes widened to fp32 at a
+// time, each widened row multiplied into every query head of the group; a token's scale
+// applied to its 16-token vector of scores, and to its weight before its values are added.
+// Walks blocks outermost like decode_one_simd, the task's heads adjacent in each block.
+inline __m128i load16_bytes(const void* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16_bytes(p)));
+}
+inline __m512 load16(const E5m2* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load16_bytes(p)), 8));
+}
+inline __m512 load16(const E4m3* p) {  // as load8: sign-extended, the fp16's bit 14 cleared
+  const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(load16_bytes(p)), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(shifted, _mm256_set1_epi16(int16_t(0xbfff))));
+}
+
+// The scales of 16 rows, zero in the lanes past `live`.
+template <typename C, int kDim>
+inline __m512 row_scales16(const C* rows, __mmask16 live) {
+  alignas(64) float scales[16];
+  for (int i = 0; i < 16; ++i) scales[i] = row_scale(rows + i * row_width<C>(kDim), kDim);
+  return _mm512_maskz_mov_ps(live, _mm512_load_ps(scales));
+}
+
+// The group's query heads (fp32, kDim apart) dotted with 16 rows' codes, before the scales.
+template <typename C, int kDim, int kGroup>
+inline void code_dots16(const C* rows, const float* query, __m512 out[kGroup]) {
+  constexpr int kVecs = kDim / 16;
+  __m512 quads[kGroup][4];
+  for (int quad = 0; quad < 4; ++quad) {
+    __m512 partial[4][kGroup];
+    for (int i = 0; i < 4; ++i) {
+      const C* row = rows + (4 * quad + i) * row_width<C>(kDim);
+      __m512 codes[kVecs];
+      for (int c = 0; c < kVecs; ++c) codes[c] = load16(row + 16 * c);
+      for (int g = 0; g < kGroup; ++g) {
+        const float* qg = query + g * kDim;
+        __m512 acc = _mm512_mul_ps(codes[0], _mm512_loadu_ps(qg));
+        for (int c = 1; c < kVecs; ++c)
+          acc = _mm512_fmadd_ps(codes[c], _mm512_loadu_ps(qg + 16 * c), acc);
+        partial[i][g] = acc;
+      }
+    }
+    for (int g = 0; g < kGroup; ++g)
+      quads[g][quad] = fold4(partial[0][g], partial[1][g], partial[2][g], partial[3][g]);
+  }
+  for (int g = 0; g < kGroup; ++g) out[g] = fold16(quads[g]);
+}
+
+// Vectors of dims a pass over a block's value rows keeps in registers: the group's sums
+// (at most 24 vectors), the widened row and the weight.
+template <int kDim, int kGroup>
+constexpr int kCodePassVecs = kDim / 16 * kGroup <= 24 ? kDim / 16
+                              : 4 * kGroup <= 24        ? 4
+                              : 2 * kGroup <= 24        ? 2
+                                                        : 1;
+
+// As add_weighted_values, over `count` coded rows (each weight times its row's scale).
+template <typename C, int kDim, int kGroup>
+inline void add_weighted_codes(const C* rows, const float* weights, int64_t len,
+                               int64_t count, float* acc) {
+  constexpr int kPass = kCodePassVecs<kDim, kGroup>;
+  for (int part = 0; part < kDim; part += 16 * kPass) {
+    __m512 sums[kGroup][kPass];
+    for (int g = 0; g < kGroup; ++g)
+      for (int c = 0; c < kPass; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * kDim + part + 16 * c);
+    for (int64_t t = 0; t < count; ++t) {
+      const C* row = rows + t * row_width<C>(kDim);
+      __m512 values[kPass];
+      for (int c = 0; c < kPass; ++c) values[c] = load16(row + part + 16 * c);
+      const float scale = row_scale(row, kDim);
+      for (int g = 0; g < kGroup; ++g) {
+        const __m512 weight = _mm512_set1_ps(weights[g * len + t] * scale);
+        for (int c = 0; c < kPass; ++c) sums[g][c] = _mm512_fmadd_ps(weight, values[c], sums[g][c]);
+      }
+    }
+    for (int g = 0; g < kGroup; ++g)
+      for (int c = 0; c < kPass; ++c) _mm512_storeu_ps(acc + g * kDim + part + 16 * c, sums[g][c]);
+  }
+}
+
+template <typename T, typename C, int kDim, int kGroup>
+void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
+                         int64_t, const Task& a, T* out, std::vector<float>& scores,
+                         std::vector<float>& scratch) {
+  constexpr int64_t kRow = kGroup * kDim;  // one KV head's query (or output) rows
+  const int64_t bs = a.block_size, heads = a.num_task_heads;
+  const int64_t block_elems = bs * row_width<C>(kDim);
+  const auto [skipped, len, head_start, num_blocks] = Walk(a);
+  table += skipped / bs;
+  auto block_ptr = [&](const C* cache, int64_t b) {
+    return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
+  };
+  scratch.resize(2 * heads * kRow + 2 * heads * kGroup);
+  float* query = scratch.data();  // [heads][kGroup][kDim], times the scale
+  float* acc = query + heads * kRow;  // [heads][kGroup][kDim]
+  float* maxes = acc + heads * kRow;  // [heads][kGroup]
+  float* inv_sums = maxes + heads * kGroup;  // [heads][kGroup]
+  scaled_query(q, a, heads * kGroup, kDim, query, kDim);
+  std::fill(acc, acc + heads * kRow, 0.f);
+  std::fill(maxes, maxes + heads * kGroup, -INFINITY);
+  scores.resize(heads * kGroup * len);
+  float* s = scores.data();
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  const int64_t span = heads * block_elems;  // bytes: codes are one byte
+  const auto ahead = block_prefetch<C>(table, num_blocks, span, block_ptr);
+  ahead.l2_window_of(k_cache, v_cache);
+  ahead.first_of(k_cache);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    ahead.past(k_cache, b);
+    const int64_t start = b * bs, count = std::min(bs, len - start);
+    const int64_t t0 = b == 0 ? head_start : 0;  // before it: outside the window
+    for (int64_t h = 0; h < heads; ++h) {
+      const C* rows = block_ptr(k_cache, b) + h * block_elems;
+      float* sh = s + h * kGroup * len + start;
+      float* mh = maxes + h * kGroup;
+      for (int64_t t = 0; t < count; t += 16) {
+        const C* block_rows = rows + t * row_width<C>(kDim);
+        const __mmask16 live = lanes_below(count - t);
+        const __mmask16 seen = __mmask16(live & ~lanes_below(t0 - t));
+        const __m512 scale16 = row_scales16<C, kDim>(block_rows, live);
+        __m512 dots[kGroup];
+        code_dots16<C, kDim, kGroup>(block_rows, query + h * kRow, dots);
+        for (int g = 0; g < kGroup; ++g) {
+          dots[g] = _mm512_mul_ps(dots[g], scale16);
+          if (a.softcap > 0.f) {
+            alignas(64) float capped_dots[16];
+            _mm512_store_ps(capped_dots, dots[g]);
+            for (float& dot : capped_dots) dot = capped(dot, a.softcap);
+            dots[g] = _mm512_load_ps(capped_dots);
+          }
+          dots[g] = _mm512_mask_blend_ps(seen, minus_inf, dots[g]);
+          _mm512_mask_storeu_ps(sh + g * len + t, live, dots[g]);
+          if (seen) mh[g] = std::max(mh[g], _mm512_mask_reduce_max_ps(seen, dots[g]));
+        }
+      }
+    }
+  }
+  ahead.first_of(v_cache);
+  softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    ahead.past(v_cache, b);
+    const int64_t start = b * bs, count = std::min(bs, len - start);
+    for (int64_t h = 0; h < heads; ++h)
+      add_weighted_codes<C, kDim, kGroup>(block_ptr(v_cache, b) + h * block_elems,
+                                          s + h * kGroup * len + start, len, count,
+                                          acc + h * kRow);
+  }
+  for (int64_t i = 0; i < heads * kGroup; ++i)
+    for (int64_t d = 0; d < kDim; ++d)
+      store(out + a.head * kRow + i * kDim + d, acc[i * kDim + d] * inv_sums[i]);
 }
 
 
@@ -957,33 +1113,37 @@ R for_group(int64_t group, R none, Pick pick) {
   }
 }
 
+// AVX-512 for blocks of a multiple of 16 tokens (8-bit rows in blocks of other sizes, and
+// every row without AVX-512, take AVX2).
 template <typename T, typename C, int kDim>
-DecodeOne<T, C> simd_for_group(int64_t group) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // 8-bit rows, and every row without AVX-512
+DecodeOne<T, C> simd_for_group(int64_t group, int64_t block_size) {
+  const auto plain = DecodeOne<T, C>(decode_one<T, C, kDim>);
 #if defined(__AVX512F__)
-  if constexpr (kCoded<C>)
+  if (block_size % 16 == 0) {
+    if constexpr (kCoded<C>)
+      return for_group(group, plain, [](auto g) -> DecodeOne<T, C> {
+        return decode_one_codes512<T, C, kDim, decltype(g)::value>;
+      });
+    else if constexpr (std::is_same_v<T, C>)
+      return for_group(group, plain, [](auto g) -> DecodeOne<T, C> {
+        return decode_one_simd<T, kDim, decltype(g)::value>;
+      });
+  }
 #endif
-    return for_group(group, DecodeOne<T, C>(decode_one<T, C, kDim>),
-                     [](auto g) -> DecodeOne<T, C> {
-                       return decode_one_avx2<T, C, kDim, decltype(g)::value>;
-                     });
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return for_group(group, plain, [](auto g) -> DecodeOne<T, C> {
+    return decode_one_avx2<T, C, kDim, decltype(g)::value>;
+  });
 #endif
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, C>)
-    return for_group(group, DecodeOne<T, C>(decode_one<T, C, kDim>),
-                     [](auto g) -> DecodeOne<T, C> {
-                       return decode_one_simd<T, kDim, decltype(g)::value>;
-                     });
-#endif
-  (void)group;
-  return decode_one<T, C, kDim>;
+  (void)group, (void)block_size;
+  return plain;
 }
 
 template <typename T, typename C>
 DecodeOne<T, C> pick_decode_one(int64_t dim, int64_t group, int64_t block_size) {
   if (block_size % 16 != 0 && !kCoded<C>) return decode_one<T, C, 0>;
-  if (dim == 64) return simd_for_group<T, C, 64>(group);
-  if (dim == 128) return simd_for_group<T, C, 128>(group);
+  if (dim == 64) return simd_for_group<T, C, 64>(group, block_size);
+  if (dim == 128) return simd_for_group<T, C, 128>(group, block_size);
   return decode_one<T, C, 0>;
 }
 
