@@ -41,7 +41,6 @@ inline void prefetch_l2(const void* ptr, int64_t bytes) {
 // docs/benchmarks.md, "Decode attention: an L2 prefetch window").
 constexpr int64_t kPrefetchL2Bytes = 128 << 10;
 constexpr int64_t kPrefetchAhead = 4;  // blocks into L1
-constexpr int64_t kHeadPrefetchBlocks = 2;  // the AVX-512 path's distance, in blocks
 
 inline int64_t l2_window(int64_t span) {  // blocks of K (and as many of V) in the window
   return std::max<int64_t>(1, kPrefetchL2Bytes / (2 * span));
@@ -86,6 +85,34 @@ template <typename C, typename BlockPtr>
 BlockPrefetch<C, BlockPtr> block_prefetch(const int64_t* table, int64_t num_blocks,
                                           int64_t span, BlockPtr block_ptr) {
   return {table, num_blocks, span, l2_window(span), block_ptr};
+}
+
+// The AVX-512 vector paths fetch the rows kRowsAheadBlocks blocks ahead of their walk as they
+// read, each line once: reading row i of 16 fetches the i-th sixteenth of the lines of the 16
+// rows at the same place that far ahead. Spread so, the misses overlap; a block's (or a
+// head's) lines asked for at once fill the core's miss buffers and stall it, and so does a
+// line asked for again while its miss is outstanding. docs/benchmarks.md, "Decode attention:
+// prefetching a line at a time".
+constexpr int64_t kRowsAheadBlocks = 2;
+
+// The i-th sixteenth of the lines of the 16 rows at `rows16` (64-byte aligned; nullptr: none).
+template <int64_t kRowBytes>
+inline void prefetch_sixteenth(const char* rows16, int64_t i) {
+  if (rows16 == nullptr) return;
+  constexpr int64_t kLines = (16 * kRowBytes + 63) / 64;
+  for (int64_t line = i * kLines / 16; line < (i + 1) * kLines / 16; ++line)
+    __builtin_prefetch(rows16 + 64 * line);
+}
+
+// As prefetch_sixteenth, for row t of a walk over rows whose 16-row groups are 64-byte aligned.
+template <int64_t kRowBytes>
+inline void prefetch_for_row(const char* rows, int64_t t) {
+  if (rows != nullptr) prefetch_sixteenth<kRowBytes>(rows + (t & ~int64_t(15)) * kRowBytes, t & 15);
+}
+
+// Row `index` of the rows at `rows` (nullptr stays nullptr).
+inline const char* row_at(const char* rows, int64_t index, int64_t row_bytes) {
+  return rows == nullptr ? nullptr : rows + index * row_bytes;
 }
 
 // Each of `group` rows of `len` scores becomes exp(score - its max); inv_sums gets 1 / row sum.
@@ -530,13 +557,16 @@ inline void load_row(const uint16_t* p, __m512* out) {
   }
 }
 
+// `ahead`: the 16 rows whose lines to fetch as these are read (prefetch_sixteenth), or nullptr.
 template <int kDim, typename T>
-inline __m512 dots16(const T* keys, const T* query) {
+inline __m512 dots16(const T* keys, const T* query, const char* ahead = nullptr) {
+  constexpr int64_t kRowBytes = kDim * sizeof(T);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) {  // bf16 pairs multiplied as they lie
     __m512bh qv[kDim / 32];
     for (int c = 0; c < kDim / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
     return dots16([&](int row) {
+      prefetch_sixteenth<kRowBytes>(ahead, row);
       const uint16_t* k = keys + row * kDim;
       __m512 acc = _mm512_setzero_ps();
       for (int c = 0; c < kDim / 32; ++c)
@@ -549,6 +579,7 @@ inline __m512 dots16(const T* keys, const T* query) {
   __m512 qv[kDim / 16];
   load_row<kDim>(query, qv);
   return dots16([&](int row) {
+    prefetch_sixteenth<kRowBytes>(ahead, row);
     __m512 kv[kDim / 16];
     load_row<kDim>(keys + row * kDim, kv);
     __m512 acc = _mm512_mul_ps(qv[0], kv[0]);
@@ -561,12 +592,14 @@ inline __m512 dots16(const T* keys, const T* query) {
 // (`len` apart) of the first `count` tokens times their value rows, in vector registers.
 template <typename T, int kDim, int kGroup>
 inline void add_weighted_values(const T* values, const float* weights, int64_t len,
-                                int64_t count, float* acc) {
+                                int64_t count, float* acc, const char* ahead) {
   constexpr int kVecs = kDim / 16;
+  constexpr int64_t kRowBytes = kDim * sizeof(T);
   __m512 av[kGroup][kVecs];
   for (int g = 0; g < kGroup; ++g)
     for (int i = 0; i < kVecs; ++i) av[g][i] = _mm512_loadu_ps(acc + g * kDim + 16 * i);
   for (int64_t t = 0; t < count; ++t) {
+    prefetch_for_row<kRowBytes>(ahead, t);
     __m512 value[kVecs];
     load_row<kDim>(values + t * kDim, value);
     for (int g = 0; g < kGroup; ++g) {
@@ -610,15 +643,19 @@ inline __m512 row_scales16(const C* rows, __mmask16 live) {
   return _mm512_maskz_mov_ps(live, _mm512_load_ps(scales));
 }
 
-// The group's query heads (fp32, kDim apart) dotted with 16 rows' codes, before the scales.
+// The group's query heads (fp32, kDim apart) dotted with 16 rows' codes, before the scales;
+// `ahead` as dots16's.
 template <typename C, int kDim, int kGroup>
-inline void code_dots16(const C* rows, const float* query, __m512 out[kGroup]) {
+inline void code_dots16(const C* rows, const float* query, __m512 out[kGroup],
+                        const char* ahead) {
   constexpr int kVecs = kDim / 16;
+  constexpr int64_t kRowBytes = row_width<C>(kDim);
   __m512 quads[kGroup][4];
   for (int quad = 0; quad < 4; ++quad) {
     __m512 partial[4][kGroup];
     for (int i = 0; i < 4; ++i) {
-      const C* row = rows + (4 * quad + i) * row_width<C>(kDim);
+      prefetch_sixteenth<kRowBytes>(ahead, 4 * quad + i);
+      const C* row = rows + (4 * quad + i) * kRowBytes;
       __m512 codes[kVecs];
       for (int c = 0; c < kVecs; ++c) codes[c] = load16(row + 16 * c);
       for (int g = 0; g < kGroup; ++g) {
@@ -646,14 +683,16 @@ constexpr int kCodePassVecs = kDim / 16 * kGroup <= 24 ? kDim / 16
 // As add_weighted_values, over `count` coded rows (each weight times its row's scale).
 template <typename C, int kDim, int kGroup>
 inline void add_weighted_codes(const C* rows, const float* weights, int64_t len,
-                               int64_t count, float* acc) {
+                               int64_t count, float* acc, const char* ahead) {
   constexpr int kPass = kCodePassVecs<kDim, kGroup>;
+  constexpr int64_t kRowBytes = row_width<C>(kDim);
   for (int part = 0; part < kDim; part += 16 * kPass) {
     __m512 sums[kGroup][kPass];
     for (int g = 0; g < kGroup; ++g)
       for (int c = 0; c < kPass; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * kDim + part + 16 * c);
     for (int64_t t = 0; t < count; ++t) {
-      const C* row = rows + t * row_width<C>(kDim);
+      if (part == 0) prefetch_for_row<kRowBytes>(ahead, t);
+      const C* row = rows + t * kRowBytes;
       __m512 values[kPass];
       for (int c = 0; c < kPass; ++c) values[c] = load16(row + part + 16 * c);
       const float scale = row_scale(row, kDim);
@@ -691,15 +730,19 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
   float* s = scores.data();
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
   const int64_t span = heads * block_elems;  // bytes: codes are one byte
-  const auto ahead = block_prefetch<C>(table, num_blocks, span, block_ptr);
-  ahead.l2_window_of(k_cache, v_cache);
-  ahead.first_of(k_cache);
+  const auto first = block_prefetch<C>(table, num_blocks, span, block_ptr);
+  auto rows_ahead = [&](const C* cache, int64_t b, int64_t h) -> const char* {
+    if (b + kRowsAheadBlocks >= num_blocks) return nullptr;
+    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks) +
+                                         h * block_elems);
+  };
+  first.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    ahead.past(k_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const int64_t t0 = b == 0 ? head_start : 0;  // before it: outside the window
     for (int64_t h = 0; h < heads; ++h) {
       const C* rows = block_ptr(k_cache, b) + h * block_elems;
+      const char* ahead = rows_ahead(k_cache, b, h);
       float* sh = s + h * kGroup * len + start;
       float* mh = maxes + h * kGroup;
       for (int64_t t = 0; t < count; t += 16) {
@@ -708,7 +751,8 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
         const __mmask16 seen = __mmask16(live & ~lanes_below(t0 - t));
         const __m512 scale16 = row_scales16<C, kDim>(block_rows, live);
         __m512 dots[kGroup];
-        code_dots16<C, kDim, kGroup>(block_rows, query + h * kRow, dots);
+        code_dots16<C, kDim, kGroup>(block_rows, query + h * kRow, dots,
+                                     row_at(ahead, t, row_width<C>(kDim)));
         for (int g = 0; g < kGroup; ++g) {
           dots[g] = _mm512_mul_ps(dots[g], scale16);
           if (a.softcap > 0.f) {
@@ -724,15 +768,14 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
       }
     }
   }
-  ahead.first_of(v_cache);
+  first.first_of(v_cache);
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    ahead.past(v_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h)
       add_weighted_codes<C, kDim, kGroup>(block_ptr(v_cache, b) + h * block_elems,
                                           s + h * kGroup * len + start, len, count,
-                                          acc + h * kRow);
+                                          acc + h * kRow, rows_ahead(v_cache, b, h));
   }
   for (int64_t i = 0; i < heads * kGroup; ++i)
     for (int64_t d = 0; d < kDim; ++d)
@@ -890,17 +933,18 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   const T* query = q + a.head * kRow;
   const __m512 scale = _mm512_set1_ps(a.scale), minus_inf = _mm512_set1_ps(-INFINITY);
 
-  // A head's stretch of the block kHeadPrefetchBlocks ahead, fetched as that head's stretch
-  // of this block is read, spread over the walk (measured within noise of fetching a whole
-  // block's span at a time; 1-8 blocks ahead, into L1 or L2, made no difference).
+  // The head's rows of the block kRowsAheadBlocks on: vectors fetch them a row at a time,
+  // tiles (which read no row alone) the head's whole stretch as they start on this block.
   const int64_t head_bytes = block_elems * int64_t(sizeof(T));
-  auto ahead_of_head = [&](const T* cache, int64_t b, int64_t h) {
-    if (b + kHeadPrefetchBlocks < num_blocks)
-      prefetch(block_ptr(cache, b + kHeadPrefetchBlocks) + h * block_elems, head_bytes);
+  auto rows_ahead = [&](const T* cache, int64_t b, int64_t h) -> const char* {
+    if (b + kRowsAheadBlocks >= num_blocks) return nullptr;
+    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks) +
+                                         h * block_elems);
   };
   // Head h's scores over 16 key rows: tiles where the CPU has AMX, vectors elsewhere.
-  auto score_vectors = [&](const T* keys, int64_t h, __m512 out[kGroup]) {
-    for (int g = 0; g < kGroup; ++g) out[g] = dots16<kDim>(keys, query + (h * kGroup + g) * kDim);
+  auto score_vectors = [&](const T* keys, int64_t h, __m512 out[kGroup], const char* ahead) {
+    for (int g = 0; g < kGroup; ++g)
+      out[g] = dots16<kDim>(keys, query + (h * kGroup + g) * kDim, g == 0 ? ahead : nullptr);
   };
 #if defined(LOOM_AMX_TILES)
   thread_local std::vector<uint32_t> qt_scratch;
@@ -908,23 +952,26 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   if constexpr (std::is_same_v<T, uint16_t>)
     if (a.tiles && len >= kTilesFromTokens && amx_permitted())
       tiles.emplace(query, heads, qt_scratch);
-  auto score_rows = [&](const T* keys, int64_t h, __m512 out[kGroup]) {
+  const bool tiled = tiles.has_value();
+  auto score_rows = [&](const T* keys, int64_t h, __m512 out[kGroup], const char* ahead) {
     if constexpr (std::is_same_v<T, uint16_t>)
       if (tiles) return tiles->dots(keys, h, out);
-    score_vectors(keys, h, out);
+    score_vectors(keys, h, out, ahead);
   };
 #else
+  constexpr bool tiled = false;
   auto& score_rows = score_vectors;
 #endif
 
-  const auto ahead = block_prefetch<T>(table, num_blocks, span, block_ptr);
-  ahead.l2_window_of(k_cache, v_cache);
-  ahead.first_of(k_cache);
+  const auto first = block_prefetch<T>(table, num_blocks, span, block_ptr);
+  if (tiled) first.l2_window_of(k_cache, v_cache);
+  first.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const int64_t t0 = b == 0 ? head_start : 0;  // before it: outside the window
     for (int64_t h = 0; h < heads; ++h) {
-      ahead_of_head(k_cache, b, h);
+      const char* ahead = rows_ahead(k_cache, b, h);
+      if (tiled && ahead != nullptr) prefetch(ahead, head_bytes);
       const T* keys = block_ptr(k_cache, b) + h * block_elems;
       float* sh = s + h * kGroup * len + start;
       float* mh = maxes + h * kGroup;
@@ -932,7 +979,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
         const __mmask16 live = lanes_below(count - t);
         const __mmask16 seen = __mmask16(live & ~lanes_below(t0 - t));
         __m512 dots[kGroup];
-        score_rows(keys + t * kDim, h, dots);
+        score_rows(keys + t * kDim, h, dots, row_at(ahead, t, kDim * sizeof(T)));
         for (int g = 0; g < kGroup; ++g) {
           dots[g] = _mm512_mul_ps(dots[g], scale);
           if (a.softcap > 0.f) {
@@ -949,7 +996,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
     }
   }
 
-  ahead.first_of(v_cache);
+  first.first_of(v_cache);
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
 
   bool tiled_values = false;
@@ -961,7 +1008,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
       for (int64_t h = 0; h < heads; ++h) {
         tiles->zero_sums();
         for (int64_t b = 0; b < num_blocks; ++b) {
-          ahead_of_head(v_cache, b, h);
+          if (const char* ahead = rows_ahead(v_cache, b, h)) prefetch(ahead, head_bytes);
           const int64_t start = b * bs, count = std::min(bs, len - start);
           const T* values = block_ptr(v_cache, b) + h * block_elems;
           for (int64_t t = 0; t < count; t += 16)
@@ -974,12 +1021,10 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
 #endif
   for (int64_t b = 0; b < num_blocks && !tiled_values; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
-    for (int64_t h = 0; h < heads; ++h) {
-      ahead_of_head(v_cache, b, h);
+    for (int64_t h = 0; h < heads; ++h)
       add_weighted_values<T, kDim, kGroup>(block_ptr(v_cache, b) + h * block_elems,
                                            s + h * kGroup * len + start, len, count,
-                                           acc + h * kRow);
-    }
+                                           acc + h * kRow, rows_ahead(v_cache, b, h));
   }
   for (int64_t h = 0; h < heads; ++h)
     for (int g = 0; g < kGroup; ++g) {
@@ -1023,29 +1068,31 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
   }
   scores.resize(score_start[m]);
   const __m512 scale = _mm512_set1_ps(a.scale);
-  const int64_t head_bytes = block_elems * int64_t(sizeof(T));
-  auto ahead_of_head = [&](const T* cache, int64_t b, int64_t h) {
-    if (b + kHeadPrefetchBlocks < num_blocks)
-      prefetch(block_ptr(cache, b + kHeadPrefetchBlocks) + h * block_elems, head_bytes);
+  constexpr int64_t kRowBytes = kDim * sizeof(T);
+  // As decode_one_simd's vectors; the longest row (the last) fetches.
+  auto rows_ahead = [&](const T* cache, int64_t b, int64_t h, int64_t r) -> const char* {
+    if (r != m - 1 || b + kRowsAheadBlocks >= num_blocks) return nullptr;
+    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks) +
+                                         h * block_elems);
   };
 
-  const auto ahead = block_prefetch<T>(table, num_blocks, span, block_ptr);
-  ahead.l2_window_of(k_cache, v_cache);
-  ahead.first_of(k_cache);
+  const auto first = block_prefetch<T>(table, num_blocks, span, block_ptr);
+  first.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
     for (int64_t h = 0; h < heads; ++h) {
-      ahead_of_head(k_cache, b, h);
       const T* keys = block_ptr(k_cache, b) + h * block_elems;
       for (int64_t r = 0; r < m; ++r) {
         const int64_t len_r = run.lens[r], count = std::min(bs, len_r - start);
+        const char* ahead = rows_ahead(k_cache, b, h, r);
         const T* query = run.q[r] + a.head * kRow;
         float* sh = scores.data() + score_start[r] + h * kGroup * len_r + start;
         float* mh = scratch.data() + r * per_row + heads * kRow + h * kGroup;
         for (int64_t t = 0; t < count; t += 16) {
           const __mmask16 live = lanes_below(count - t);
           for (int g = 0; g < kGroup; ++g) {
-            __m512 dots = dots16<kDim>(keys + t * kDim, query + (h * kGroup + g) * kDim);
+            __m512 dots = dots16<kDim>(keys + t * kDim, query + (h * kGroup + g) * kDim,
+                                       g == 0 ? row_at(ahead, t, kRowBytes) : nullptr);
             dots = _mm512_mul_ps(dots, scale);
             if (a.softcap > 0.f) {
               alignas(64) float capped_dots[16];
@@ -1061,7 +1108,7 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
     }
   }
 
-  ahead.first_of(v_cache);
+  first.first_of(v_cache);
   for (int64_t r = 0; r < m; ++r) {
     float* maxes = scratch.data() + r * per_row + heads * kRow;
     softmax_rows(scores.data() + score_start[r], heads * kGroup, run.lens[r], maxes,
@@ -1070,13 +1117,12 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
     for (int64_t h = 0; h < heads; ++h) {
-      ahead_of_head(v_cache, b, h);
       const T* values = block_ptr(v_cache, b) + h * block_elems;
       for (int64_t r = 0; r < m; ++r) {
         const int64_t len_r = run.lens[r], count = std::min(bs, len_r - start);
         add_weighted_values<T, kDim, kGroup>(
             values, scores.data() + score_start[r] + h * kGroup * len_r + start, len_r, count,
-            scratch.data() + r * per_row + h * kRow);
+            scratch.data() + r * per_row + h * kRow, rows_ahead(v_cache, b, h, r));
       }
     }
   }
