@@ -87,10 +87,10 @@ BlockPrefetch<C, BlockPtr> block_prefetch(const int64_t* table, int64_t num_bloc
   return {table, num_blocks, span, l2_window(span), block_ptr};
 }
 
-// The AVX-512 vector paths fetch the rows kRowsAheadBlocks blocks ahead of their walk as they
-// read, each line once: reading row i of 16 fetches the i-th sixteenth of the lines of the 16
-// rows at the same place that far ahead. Spread so, the misses overlap; a block's (or a
-// head's) lines asked for at once fill the core's miss buffers and stall it, and so does a
+// The vector paths (AVX-512, AVX2) fetch the rows kRowsAheadBlocks blocks ahead of their walk
+// as they read, each line once: reading row i of 16 fetches the i-th sixteenth of the lines of
+// the 16 rows at the same place that far ahead. Spread so, the misses overlap; a block's (or
+// a head's) lines asked for at once fill the core's miss buffers and stall it, and so does a
 // line asked for again while its miss is outstanding. docs/benchmarks.md, "Decode attention:
 // prefetching a line at a time".
 constexpr int64_t kRowsAheadBlocks = 2;
@@ -406,17 +406,22 @@ void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int6
   auto block_ptr = [&](const C* cache, int64_t b) {
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
-  const auto ahead = block_prefetch<C>(table, num_blocks, block_elems * sizeof(C), block_ptr);
-  ahead.l2_window_of(k_cache, v_cache);
-  ahead.first_of(k_cache);
+  constexpr int64_t kRowBytes = kWidth * sizeof(C);
+  const auto first = block_prefetch<C>(table, num_blocks, block_elems * sizeof(C), block_ptr);
+  auto rows_ahead = [&](const C* cache, int64_t b) -> const char* {  // as decode_one_simd's
+    if (b + kRowsAheadBlocks >= num_blocks) return nullptr;
+    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks));
+  };
+  first.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    ahead.past(k_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const C* rows = block_ptr(k_cache, b);
+    const char* ahead = rows_ahead(k_cache, b);
     for (int64_t t = 0; t < count; t += 4) {
       __m256 partials[4][kGroup];
       alignas(16) float scales[4] = {0.f, 0.f, 0.f, 0.f};
       for (int64_t i = 0; i < 4 && t + i < count; ++i) {
+        prefetch_for_row<kRowBytes>(ahead, t + i);
         const C* row = rows + (t + i) * kWidth;
         token_partials<C, kDim, kGroup>(row, query, partials[i]);
         scales[i] = row_scale(row, kDim);
@@ -444,19 +449,20 @@ void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int6
     for (int64_t j = 0; j < len; ++j) top = std::max(top, sg[j]);
     maxes[g] = top;
   }
-  ahead.first_of(v_cache);
+  first.first_of(v_cache);
   float inv_sums[kGroup];
   softmax_rows(scores.data(), kGroup, len, maxes, inv_sums);
   alignas(32) float acc[kGroup][kDim] = {};
   for (int64_t b = 0; b < num_blocks; ++b) {
-    ahead.past(v_cache, b);
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const C* rows = block_ptr(v_cache, b);
+    const char* ahead = rows_ahead(v_cache, b);
     for (int64_t part = 0; part < kDim; part += 8 * kVecs) {
       __m256 sums[kGroup][kVecs];
       for (int64_t g = 0; g < kGroup; ++g)
         for (int64_t c = 0; c < kVecs; ++c) sums[g][c] = _mm256_load_ps(acc[g] + part + 8 * c);
       for (int64_t t = 0; t < count; ++t) {
+        if (part == 0) prefetch_for_row<kRowBytes>(ahead, t);
         const C* row = rows + t * kWidth;
         __m256 values[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) values[c] = load8(row + part + 8 * c);
