@@ -623,6 +623,23 @@ inline int64_t dim_at(const uint16_t*, int64_t i) {
   return 32 * chunk + (j < 16 ? 2 * j : 2 * (j - 16) + 1);
 }
 
+// 16 tokens' dot products with one query head times `scale`, capped where softcap > 0 and
+// -inf outside `seen` (a sliding window's start): the `live` ones stored at `dst`, and `max`
+// raised to the largest seen one.
+inline void keep_scores16(__m512 dots, __m512 scale, float softcap, __mmask16 live,
+                          __mmask16 seen, float* dst, float& max) {
+  dots = _mm512_mul_ps(dots, scale);
+  if (softcap > 0.f) {
+    alignas(64) float capped_dots[16];
+    _mm512_store_ps(capped_dots, dots);
+    for (float& dot : capped_dots) dot = capped(dot, softcap);
+    dots = _mm512_load_ps(capped_dots);
+  }
+  dots = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), dots);
+  _mm512_mask_storeu_ps(dst, live, dots);
+  if (seen) max = std::max(max, _mm512_mask_reduce_max_ps(seen, dots));
+}
+
 // 8-bit rows (int8 or fp8 codes and their scale) in AVX-512: 16 codes widened to fp32 at a
 // time, each widened row multiplied into every query head of the group; a token's scale
 // applied to its 16-token vector of scores, and to its weight before its values are added.
@@ -734,7 +751,6 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
   std::fill(maxes, maxes + heads * kGroup, -INFINITY);
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
-  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
   const int64_t span = heads * block_elems;  // bytes: codes are one byte
   const auto first = block_prefetch<C>(table, num_blocks, span, block_ptr);
   auto rows_ahead = [&](const C* cache, int64_t b, int64_t h) -> const char* {
@@ -759,18 +775,8 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
         __m512 dots[kGroup];
         code_dots16<C, kDim, kGroup>(block_rows, query + h * kRow, dots,
                                      row_at(ahead, t, row_width<C>(kDim)));
-        for (int g = 0; g < kGroup; ++g) {
-          dots[g] = _mm512_mul_ps(dots[g], scale16);
-          if (a.softcap > 0.f) {
-            alignas(64) float capped_dots[16];
-            _mm512_store_ps(capped_dots, dots[g]);
-            for (float& dot : capped_dots) dot = capped(dot, a.softcap);
-            dots[g] = _mm512_load_ps(capped_dots);
-          }
-          dots[g] = _mm512_mask_blend_ps(seen, minus_inf, dots[g]);
-          _mm512_mask_storeu_ps(sh + g * len + t, live, dots[g]);
-          if (seen) mh[g] = std::max(mh[g], _mm512_mask_reduce_max_ps(seen, dots[g]));
-        }
+        for (int g = 0; g < kGroup; ++g)
+          keep_scores16(dots[g], scale16, a.softcap, live, seen, sh + g * len + t, mh[g]);
       }
     }
   }
@@ -937,7 +943,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
   const T* query = q + a.head * kRow;
-  const __m512 scale = _mm512_set1_ps(a.scale), minus_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 scale = _mm512_set1_ps(a.scale);
 
   // The head's rows of the block kRowsAheadBlocks on: vectors fetch them a row at a time,
   // tiles (which read no row alone) the head's whole stretch as they start on this block.
@@ -986,18 +992,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
         const __mmask16 seen = __mmask16(live & ~lanes_below(t0 - t));
         __m512 dots[kGroup];
         score_rows(keys + t * kDim, h, dots, row_at(ahead, t, kDim * sizeof(T)));
-        for (int g = 0; g < kGroup; ++g) {
-          dots[g] = _mm512_mul_ps(dots[g], scale);
-          if (a.softcap > 0.f) {
-            alignas(64) float capped_dots[16];
-            _mm512_store_ps(capped_dots, dots[g]);
-            for (float& dot : capped_dots) dot = capped(dot, a.softcap);
-            dots[g] = _mm512_load_ps(capped_dots);
-          }
-          dots[g] = _mm512_mask_blend_ps(seen, minus_inf, dots[g]);
-          _mm512_mask_storeu_ps(sh + g * len + t, live, dots[g]);
-          if (seen) mh[g] = std::max(mh[g], _mm512_mask_reduce_max_ps(seen, dots[g]));
-        }
+        for (int g = 0; g < kGroup; ++g)
+          keep_scores16(dots[g], scale, a.softcap, live, seen, sh + g * len + t, mh[g]);
       }
     }
   }
@@ -1097,17 +1093,9 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
         for (int64_t t = 0; t < count; t += 16) {
           const __mmask16 live = lanes_below(count - t);
           for (int g = 0; g < kGroup; ++g) {
-            __m512 dots = dots16<kDim>(keys + t * kDim, query + (h * kGroup + g) * kDim,
-                                       g == 0 ? row_at(ahead, t, kRowBytes) : nullptr);
-            dots = _mm512_mul_ps(dots, scale);
-            if (a.softcap > 0.f) {
-              alignas(64) float capped_dots[16];
-              _mm512_store_ps(capped_dots, dots);
-              for (float& dot : capped_dots) dot = capped(dot, a.softcap);
-              dots = _mm512_load_ps(capped_dots);
-            }
-            _mm512_mask_storeu_ps(sh + g * len_r + t, live, dots);
-            mh[g] = std::max(mh[g], _mm512_mask_reduce_max_ps(live, dots));
+            const __m512 dots = dots16<kDim>(keys + t * kDim, query + (h * kGroup + g) * kDim,
+                                             g == 0 ? row_at(ahead, t, kRowBytes) : nullptr);
+            keep_scores16(dots, scale, a.softcap, live, live, sh + g * len_r + t, mh[g]);
           }
         }
       }
