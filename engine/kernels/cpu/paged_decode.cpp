@@ -1,7 +1,8 @@
 // Plain C++ (no torch headers: it compiles in seconds). One OpenMP task per (request, kv
 // head), or per request when there are enough requests, reads its blocks straight from the
-// paged cache: the next few blocks prefetched into L1, a window of its K and V into L2,
-// and keeps scores, softmax and accumulators in fp32. Where the CPU has AVX-512, head_dim 64
+// paged cache (the vector paths fetching the block two ahead a line at a time as they read,
+// the plain loops and AMX tiles a block or a head at a time), and keeps scores, softmax and
+// accumulators in fp32. Where the CPU has AVX-512, head_dim 64
 // and 128 with up to 8 query heads per KV head (blocks a multiple of 16 tokens) take a path
 // that scores 16 tokens at a time and keeps the output sums in registers; with AMX, bf16
 // caches of 64 tokens and more take tile products (DecodeTiles); elsewhere the compiler
