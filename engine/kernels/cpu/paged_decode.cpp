@@ -2,14 +2,13 @@
 // head), or per request when there are enough requests, reads its blocks straight from the
 // paged cache (the vector paths fetching the block two ahead a line at a time as they read,
 // the plain loops and AMX tiles a block or a head at a time), and keeps scores, softmax and
-// accumulators in fp32. Where the CPU has AVX-512, head_dim 64
-// and 128 with up to 8 query heads per KV head (blocks a multiple of 16 tokens) take a path
-// that scores 16 tokens at a time and keeps the output sums in registers; with AMX, bf16
-// caches of 64 tokens and more take tile products (DecodeTiles); elsewhere the compiler
-// vectorizes the plain loops (or AVX2 where the CPU has it). An 8-bit cache (int8 or fp8
-// codes, each row's fp32 scale after its codes: engine/attention/quantized_kv.py) takes AVX-512
-// or AVX2 the same way, its codes widened to fp32 as they are read and a row's scale applied
-// to its score and to its weight.
+// accumulators in fp32. Where the CPU has AVX-512, head_dim 64 and 128 with up to 8 query
+// heads per KV head (blocks a multiple of 16 tokens) take a path that scores 16 tokens at a
+// time and keeps the output sums in registers; with AMX, bf16 caches of 64 tokens and more
+// take tile products (DecodeTiles); elsewhere the compiler vectorizes the plain loops (or
+// AVX2 where the CPU has it). An 8-bit cache (int8 or fp8 codes, each row's fp32 scale after
+// its codes: engine/attention/quantized_kv.py) takes AVX-512 or AVX2 the same way, its codes
+// widened to fp32 as they are read and a row's scale applied to its score and its weight.
 #include "amx.h"
 #include "avx2.h"
 #include "avx512.h"
