@@ -50,10 +50,19 @@ inline bool scattered(const int64_t* table, int64_t b) {
   return b == 0 || table[b] != table[b - 1] + 1;
 }
 
+// The vector paths (AVX-512, AVX2) fetch the rows kRowsAheadBlocks blocks ahead of their walk
+// as they read, each line once: reading row i of 16 fetches the i-th sixteenth of the lines of
+// the 16 rows at the same place that far ahead. Spread so, the misses overlap; a block's (or
+// a head's) lines asked for at once fill the core's miss buffers and stall it, and so does a
+// line asked for again while its miss is outstanding. docs/benchmarks.md, "Decode attention:
+// prefetching a line at a time".
+constexpr int64_t kRowsAheadBlocks = 2;
+
 // Where a task's blocks are fetched ahead of its walk (over K, then over V): at its start
 // the first `window` blocks of K and V into L2 (a block stored right after its predecessor
 // left to the hardware), and the first few of the cache walked into L1; then, per block b
-// read, block b + kPrefetchAhead into L1 and block b + window into L2.
+// read, block b + kPrefetchAhead into L1 and block b + window into L2. The vector paths take
+// only the first few blocks so, and `rows_ahead` as they read.
 template <typename C, typename BlockPtr>
 struct BlockPrefetch {
   const int64_t* table;
@@ -79,6 +88,13 @@ struct BlockPrefetch {
     if (b + window < num_blocks && scattered(table, b + window))
       prefetch_l2(block_ptr(cache, b + window), span);
   }
+
+  // Block b + kRowsAheadBlocks's stretch, `offset` elements in, as bytes for
+  // prefetch_sixteenth (nullptr past the walk's end).
+  const char* rows_ahead(const C* cache, int64_t b, int64_t offset = 0) const {
+    if (b + kRowsAheadBlocks >= num_blocks) return nullptr;
+    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks) + offset);
+  }
 };
 
 template <typename C, typename BlockPtr>
@@ -86,14 +102,6 @@ BlockPrefetch<C, BlockPtr> block_prefetch(const int64_t* table, int64_t num_bloc
                                           int64_t span, BlockPtr block_ptr) {
   return {table, num_blocks, span, l2_window(span), block_ptr};
 }
-
-// The vector paths (AVX-512, AVX2) fetch the rows kRowsAheadBlocks blocks ahead of their walk
-// as they read, each line once: reading row i of 16 fetches the i-th sixteenth of the lines of
-// the 16 rows at the same place that far ahead. Spread so, the misses overlap; a block's (or
-// a head's) lines asked for at once fill the core's miss buffers and stall it, and so does a
-// line asked for again while its miss is outstanding. docs/benchmarks.md, "Decode attention:
-// prefetching a line at a time".
-constexpr int64_t kRowsAheadBlocks = 2;
 
 // The i-th sixteenth of the lines of the 16 rows at `rows16` (64-byte aligned; nullptr: none).
 template <int64_t kRowBytes>
@@ -407,16 +415,12 @@ void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int6
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
   constexpr int64_t kRowBytes = kWidth * sizeof(C);
-  const auto first = block_prefetch<C>(table, num_blocks, block_elems * sizeof(C), block_ptr);
-  auto rows_ahead = [&](const C* cache, int64_t b) -> const char* {  // as decode_one_simd's
-    if (b + kRowsAheadBlocks >= num_blocks) return nullptr;
-    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks));
-  };
-  first.first_of(k_cache);
+  const auto fetch = block_prefetch<C>(table, num_blocks, block_elems * sizeof(C), block_ptr);
+  fetch.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const C* rows = block_ptr(k_cache, b);
-    const char* ahead = rows_ahead(k_cache, b);
+    const char* ahead = fetch.rows_ahead(k_cache, b);
     for (int64_t t = 0; t < count; t += 4) {
       __m256 partials[4][kGroup];
       alignas(16) float scales[4] = {0.f, 0.f, 0.f, 0.f};
@@ -449,14 +453,14 @@ void decode_head_avx2(const T* q, const C* k_cache, const C* v_cache, const int6
     for (int64_t j = 0; j < len; ++j) top = std::max(top, sg[j]);
     maxes[g] = top;
   }
-  first.first_of(v_cache);
+  fetch.first_of(v_cache);
   float inv_sums[kGroup];
   softmax_rows(scores.data(), kGroup, len, maxes, inv_sums);
   alignas(32) float acc[kGroup][kDim] = {};
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const C* rows = block_ptr(v_cache, b);
-    const char* ahead = rows_ahead(v_cache, b);
+    const char* ahead = fetch.rows_ahead(v_cache, b);
     for (int64_t part = 0; part < kDim; part += 8 * kVecs) {
       __m256 sums[kGroup][kVecs];
       for (int64_t g = 0; g < kGroup; ++g)
@@ -752,19 +756,14 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
   const int64_t span = heads * block_elems;  // bytes: codes are one byte
-  const auto first = block_prefetch<C>(table, num_blocks, span, block_ptr);
-  auto rows_ahead = [&](const C* cache, int64_t b, int64_t h) -> const char* {
-    if (b + kRowsAheadBlocks >= num_blocks) return nullptr;
-    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks) +
-                                         h * block_elems);
-  };
-  first.first_of(k_cache);
+  const auto fetch = block_prefetch<C>(table, num_blocks, span, block_ptr);
+  fetch.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const int64_t t0 = b == 0 ? head_start : 0;  // before it: outside the window
     for (int64_t h = 0; h < heads; ++h) {
       const C* rows = block_ptr(k_cache, b) + h * block_elems;
-      const char* ahead = rows_ahead(k_cache, b, h);
+      const char* ahead = fetch.rows_ahead(k_cache, b, h * block_elems);
       float* sh = s + h * kGroup * len + start;
       float* mh = maxes + h * kGroup;
       for (int64_t t = 0; t < count; t += 16) {
@@ -780,14 +779,15 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
       }
     }
   }
-  first.first_of(v_cache);
+  fetch.first_of(v_cache);
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
     for (int64_t h = 0; h < heads; ++h)
       add_weighted_codes<C, kDim, kGroup>(block_ptr(v_cache, b) + h * block_elems,
                                           s + h * kGroup * len + start, len, count,
-                                          acc + h * kRow, rows_ahead(v_cache, b, h));
+                                          acc + h * kRow,
+                                          fetch.rows_ahead(v_cache, b, h * block_elems));
   }
   for (int64_t i = 0; i < heads * kGroup; ++i)
     for (int64_t d = 0; d < kDim; ++d)
@@ -948,11 +948,6 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   // The head's rows of the block kRowsAheadBlocks on: vectors fetch them a row at a time,
   // tiles (which read no row alone) the head's whole stretch as they start on this block.
   const int64_t head_bytes = block_elems * int64_t(sizeof(T));
-  auto rows_ahead = [&](const T* cache, int64_t b, int64_t h) -> const char* {
-    if (b + kRowsAheadBlocks >= num_blocks) return nullptr;
-    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks) +
-                                         h * block_elems);
-  };
   // Head h's scores over 16 key rows: tiles where the CPU has AMX, vectors elsewhere.
   auto score_vectors = [&](const T* keys, int64_t h, __m512 out[kGroup], const char* ahead) {
     for (int g = 0; g < kGroup; ++g)
@@ -975,14 +970,14 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
   auto& score_rows = score_vectors;
 #endif
 
-  const auto first = block_prefetch<T>(table, num_blocks, span, block_ptr);
-  if (tiled) first.l2_window_of(k_cache, v_cache);
-  first.first_of(k_cache);
+  const auto fetch = block_prefetch<T>(table, num_blocks, span, block_ptr);
+  if (tiled) fetch.l2_window_of(k_cache, v_cache);
+  fetch.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs, count = std::min(bs, len - start);
     const int64_t t0 = b == 0 ? head_start : 0;  // before it: outside the window
     for (int64_t h = 0; h < heads; ++h) {
-      const char* ahead = rows_ahead(k_cache, b, h);
+      const char* ahead = fetch.rows_ahead(k_cache, b, h * block_elems);
       if (tiled && ahead != nullptr) prefetch(ahead, head_bytes);
       const T* keys = block_ptr(k_cache, b) + h * block_elems;
       float* sh = s + h * kGroup * len + start;
@@ -998,7 +993,7 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
     }
   }
 
-  first.first_of(v_cache);
+  fetch.first_of(v_cache);
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
 
   bool tiled_values = false;
@@ -1010,7 +1005,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
       for (int64_t h = 0; h < heads; ++h) {
         tiles->zero_sums();
         for (int64_t b = 0; b < num_blocks; ++b) {
-          if (const char* ahead = rows_ahead(v_cache, b, h)) prefetch(ahead, head_bytes);
+          if (const char* ahead = fetch.rows_ahead(v_cache, b, h * block_elems))
+            prefetch(ahead, head_bytes);
           const int64_t start = b * bs, count = std::min(bs, len - start);
           const T* values = block_ptr(v_cache, b) + h * block_elems;
           for (int64_t t = 0; t < count; t += 16)
@@ -1026,7 +1022,8 @@ void decode_one_simd(const T* q, const T* k_cache, const T* v_cache, const int64
     for (int64_t h = 0; h < heads; ++h)
       add_weighted_values<T, kDim, kGroup>(block_ptr(v_cache, b) + h * block_elems,
                                            s + h * kGroup * len + start, len, count,
-                                           acc + h * kRow, rows_ahead(v_cache, b, h));
+                                           acc + h * kRow,
+                                           fetch.rows_ahead(v_cache, b, h * block_elems));
   }
   for (int64_t h = 0; h < heads; ++h)
     for (int g = 0; g < kGroup; ++g) {
@@ -1071,15 +1068,12 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
   scores.resize(score_start[m]);
   const __m512 scale = _mm512_set1_ps(a.scale);
   constexpr int64_t kRowBytes = kDim * sizeof(T);
+  const auto fetch = block_prefetch<T>(table, num_blocks, span, block_ptr);
   // As decode_one_simd's vectors; the longest row (the last) fetches.
   auto rows_ahead = [&](const T* cache, int64_t b, int64_t h, int64_t r) -> const char* {
-    if (r != m - 1 || b + kRowsAheadBlocks >= num_blocks) return nullptr;
-    return reinterpret_cast<const char*>(block_ptr(cache, b + kRowsAheadBlocks) +
-                                         h * block_elems);
+    return r == m - 1 ? fetch.rows_ahead(cache, b, h * block_elems) : nullptr;
   };
-
-  const auto first = block_prefetch<T>(table, num_blocks, span, block_ptr);
-  first.first_of(k_cache);
+  fetch.first_of(k_cache);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t start = b * bs;
     for (int64_t h = 0; h < heads; ++h) {
@@ -1102,7 +1096,7 @@ void decode_run_simd(const Run<T>& run, const T* k_cache, const T* v_cache,
     }
   }
 
-  first.first_of(v_cache);
+  fetch.first_of(v_cache);
   for (int64_t r = 0; r < m; ++r) {
     float* maxes = scratch.data() + r * per_row + heads * kRow;
     softmax_rows(scores.data() + score_start[r], heads * kGroup, run.lens[r], maxes,
