@@ -101,10 +101,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.eos_token_ids)
         self.runner = self._make_runner(num_blocks, self.recorder)
+        kv_meaning = self.runner.kv_meaning
         self.disk_tier = attach_disk_tier(config, self.block_manager, self.runner.kv_caches,
-                                          self.dtype)
+                                          self.dtype, kv_meaning)
         self.kv_transfer = attach_kv_transfer(config, self.block_manager, self.runner.kv_caches,
-                                              self.dtype, self.draft_model is not None)
+                                              self.dtype, kv_meaning, self.draft_model is not None)
         logger.info("%s", self.runner.kernels.describe())  # once: not for the graph probe
         self.sampler = Sampler(self.device, config.seed)
         if self.draft_model is not None:

@@ -15,16 +15,17 @@ from engine.block_manager import BlockManager
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def payload_layout(model: str, dtype: torch.dtype, block_size: int, caches: list[KVCache]) -> str:
+def payload_layout(model: str, dtype: torch.dtype, block_size: int, caches: list[KVCache],
+                   meaning: str) -> str:
     """Names what a payload means: the model, the dtype, the caches' shapes and (an 8-bit
-    cache's) their codes."""
+    cache's) their codes and `meaning` (its key tables: ModelRunner.kv_meaning)."""
     name = Path(model.rstrip("/")).name or "model"
     shapes = [tuple(cache.shape[1:]) for layer in caches for cache in layer]
     codes = caches[0][0].dtype
-    meaning = (str(Path(model).resolve()), str(dtype), block_size, shapes)
+    described = (str(Path(model).resolve()), str(dtype), block_size, shapes)
     if codes != dtype:
-        meaning += (str(codes),)
-    digest = hashlib.blake2b(repr(meaning).encode(), digest_size=8).hexdigest()
+        described += (str(codes), meaning)
+    digest = hashlib.blake2b(repr(described).encode(), digest_size=8).hexdigest()
     return f"{name}-{str(dtype).removeprefix('torch.')}-b{block_size}-{digest}"
 
 

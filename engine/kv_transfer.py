@@ -181,7 +181,7 @@ class KVTransfer:
 
 
 def attach_kv_transfer(config: EngineConfig, block_manager: BlockManager,
-                       caches: list[KVCache], dtype: torch.dtype,
+                       caches: list[KVCache], dtype: torch.dtype, meaning: str,
                        has_draft_model: bool) -> KVTransfer:
     """Both sides of handing a prompt's KV to another engine, where its blocks can travel
     whole (the received blocks as a tier above the disk tier); elsewhere a decode leg
@@ -192,7 +192,7 @@ def attach_kv_transfer(config: EngineConfig, block_manager: BlockManager,
         logger.info("KV transfer (prefill/decode roles) off: %s", why_not)
         return KVTransfer()
     copier = BlockCopier(caches)
-    layout = payload_layout(config.model, dtype, config.block_size, caches)
+    layout = payload_layout(config.model, dtype, config.block_size, caches, meaning)
     received = ReceivedKV(copier, layout, block_manager, below=block_manager.tier)
     block_manager.tier = received
     return KVTransfer(KVExporter(copier, layout, block_manager), received)

@@ -83,15 +83,16 @@ def test_mixed_chunked_preempted_cached_batch_equals_transformers(case: str, com
     hf_model.save_pretrained(tmp_path / case)
     # 12 blocks of 16 tokens per KV cache group, 32 tokens a step: long prompts are chunked,
     # preemption certain.
-    outputs, batch = run_mixed_cached_preempted_batch(hf_model, tmp_path / case,
-                                                      compile=compiled)
+    outputs, batch, _ = run_mixed_cached_preempted_batch(hf_model, tmp_path / case,
+                                                         compile=compiled)
     assert_equals_transformers_generate(outputs, batch, hf_model)
 
 
 def run_mixed_cached_preempted_batch(hf_model, model_dir: Path, **settings):
     """Greedy requests through an engine on `model_dir` (saved from `hf_model`): 12 blocks of
     16 tokens per KV cache group, 32 tokens a step, so long prompts are chunked and
-    preemption is certain, and three prompts hit a cached prefix. (outputs, requests)."""
+    preemption is certain, and three prompts hit a cached prefix. (outputs, requests, the
+    engine)."""
     layout = KVCacheLayout.for_model(ModelConfig.from_hf(hf_model.config.to_dict()))
     core = make_core(str(model_dir), num_kv_blocks=12 * layout.num_groups,
                      max_num_batched_tokens=32, **settings)
@@ -106,7 +107,7 @@ def run_mixed_cached_preempted_batch(hf_model, model_dir: Path, **settings):
     assert core.block_manager.stats.hits - hits_before >= 3 * 32, "the shared prefix was hit"
     assert core.scheduler.num_preemptions >= 1
     assert any(0 < trace.scheduled.get(batch[4].request_id, 0) < 70 for trace in core.traces)
-    return outputs, batch
+    return outputs, batch, core
 
 
 def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path: Path) -> None:

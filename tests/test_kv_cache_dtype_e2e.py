@@ -16,6 +16,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from common.default_model import resolve_model
+from engine.attention.key_smoothing import CALIBRATION_TOKENS, KeySmoothing
+from engine.executor.model_runner import ModelRunner, attention_layers
+from engine.weights.loader import load_model
 from tests.launched_server import LaunchedServer
 from tests.test_quantized_kv_engine import oracle_attention
 
@@ -26,9 +29,19 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
 MAX_TOKENS = 12
 
 
+def served_key_tables(directory: str) -> list[KeySmoothing]:
+    """The tables the server's engine made: a runner on the same weights calibrates the
+    same way (its cache holds the calibration's tokens, as the server's does)."""
+    model = load_model(directory, torch.float32, torch.device("cpu"))
+    ModelRunner(model, CALIBRATION_TOKENS // 16, 16, torch.device("cpu"), torch.float32,
+                cache_dtype=torch.int8)
+    return [layer.key_smoothing for layer in attention_layers(model)]
+
+
 def oracle_text(prompt: list[int]) -> str:
     directory = resolve_model(None)
-    AttentionInterface.register("loom_int8_kv_e2e", oracle_attention(torch.int8))
+    AttentionInterface.register("loom_int8_kv_e2e",
+                                oracle_attention(torch.int8, served_key_tables(directory)))
     AttentionMaskInterface.register("loom_int8_kv_e2e", sdpa_mask)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                  attn_implementation="loom_int8_kv_e2e")

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.forward_context import forward_context
-from engine.attention.quantized_kv import row_width
+from engine.attention.key_smoothing import (
+    CALIBRATION_TOKENS,
+    KeyStatistics,
+    calibration_tokens,
+    fingerprint,
+)
+from engine.attention.quantized_kv import is_quantized, row_width
 from engine.attention.workspace import Workspace
 from engine.distributed.tensor_parallel import broadcast_step
 from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
@@ -169,6 +175,9 @@ class ModelRunner:
             populate(cache, first_blocks * block_bytes)
         self.kv_caches = [storage[self.layout.place(layer)[1]]
                           for layer in range(model.num_layers)]
+        if is_quantized(cache_dtype):
+            self._smooth_keys(min(CALIBRATION_TOKENS, num_blocks * block_size,
+                                  model.config.max_exact_len), dtype)
         self.forward: Forward = model
         if compiled:
             self.forward = compile_forward(model)
@@ -178,6 +187,32 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, self.kv_caches, block_size, max_model_len,
                                        max_num_seqs, padding_block=num_blocks, device=device,
                                        recorder=recorder, num_groups=self.layout.num_groups)
+
+    @property
+    def kv_meaning(self) -> str:
+        """What the cache's rows mean beyond their shape and dtype: a digest of an 8-bit
+        cache's key tables (engine.attention.key_smoothing), empty for a plain cache."""
+        return fingerprint([layer.key_smoothing for layer in attention_layers(self.model)])
+
+    @torch.inference_mode()
+    def _smooth_keys(self, count: int, dtype: torch.dtype) -> None:
+        """An 8-bit cache's key tables, from one forward over `count` seeded random tokens
+        in blocks no request holds yet (each tensor-parallel rank runs it with rank 0)."""
+        tokens = calibration_tokens(self.model.config.vocab_size, count)
+        blocks = list(range(-(-count // self.block_size)))
+        metadata = self.attention.build_metadata([count], [count], [blocks], list(range(count)),
+                                                 self.device)
+        layers = attention_layers(self.model)
+        for layer in layers:
+            layer.key_smoothing, layer.statistics = None, KeyStatistics()
+        with forward_context([metadata] * self.layout.num_groups, self.attention):
+            self.model(int_tensor(tokens, self.device), int_tensor(list(range(count)), self.device),
+                       self.kv_caches)
+        for layer in layers:
+            assert layer.statistics is not None
+            layer.key_smoothing = layer.statistics.smoothing(shift=layer.softcap is None,
+                                                             dtype=dtype)
+            layer.statistics = None
 
     @torch.inference_mode()
     def _placeholder_step(self, num_tokens: int) -> None:
@@ -243,9 +278,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden, self.workspace, float32_logits)
 
 
+def attention_layers(model: torch.nn.Module) -> list[PagedAttention]:
+    return [module for module in model.modules() if isinstance(module, PagedAttention)]
+
+
 def assign_kv_groups(model: torch.nn.Module, layout: KVCacheLayout) -> None:
     """Each attention layer (in layer order) reads its KV cache group's block tables."""
-    layers = [module for module in model.modules() if isinstance(module, PagedAttention)]
+    layers = attention_layers(model)
     if len(layers) != model.num_layers:
         raise ValueError(f"{len(layers)} attention layers in a model of {model.num_layers}")
     for index, layer in enumerate(layers):

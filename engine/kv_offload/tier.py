@@ -56,7 +56,7 @@ class DiskTier:
 
 
 def attach_disk_tier(config: EngineConfig, block_manager: BlockManager, caches: list[KVCache],
-                     dtype: torch.dtype) -> DiskTier | None:
+                     dtype: torch.dtype, meaning: str) -> DiskTier | None:
     """The disk tier under the block manager's pool, where the config asks for one and this
     engine can keep it (one KV cache group, one tensor-parallel rank, prefix caching on)."""
     if not config.kv_offload_bytes:
@@ -66,7 +66,7 @@ def attach_disk_tier(config: EngineConfig, block_manager: BlockManager, caches: 
         logger.warning("KV disk tier off: %s", why_not)
         return None
     directory = Path(config.kv_offload_dir or default_cache_dir() / "kv")
-    key = payload_layout(config.model, dtype, config.block_size, caches)
+    key = payload_layout(config.model, dtype, config.block_size, caches, meaning)
     tier = DiskTier(DiskKVStore(directory, key, config.kv_offload_bytes), caches)
     block_manager.tier = tier
     logger.info("KV disk tier: %s, %d blocks (%.2f GiB of %.2f) from earlier runs",

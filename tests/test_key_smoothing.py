@@ -1,0 +1,117 @@
+"""Smoothed keys of 8-bit caches (engine.attention.key_smoothing): the tables change no
+attention weight, make 8-bit keys more precise where channels differ in size, and every
+runner on the same weights derives the same ones (a stored block means one thing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention.key_smoothing import KeySmoothing, KeyStatistics, fingerprint
+from engine.attention.quantized_kv import rotate, round_trip
+from engine.executor.model_runner import ModelRunner, attention_layers
+from engine.kv_blocks import payload_layout
+from engine.weights.loader import load_model
+from tests.model_fixtures import build_tiny_llama_dir
+
+KV_HEADS, GROUP, DIM = 2, 3, 16
+
+
+def channel_profile(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys whose channels span 0.05..8 around a mean, queries larger where keys are small."""
+    sizes = torch.logspace(-1.3, 0.9, DIM)[torch.randperm(DIM, generator=generator)]
+    keys = torch.randn(256, KV_HEADS, DIM, generator=generator) * sizes + 2 * sizes
+    queries = torch.randn(256, KV_HEADS * GROUP, DIM, generator=generator) / sizes.sqrt()
+    return queries, keys
+
+
+def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, group, T_q, T_k] of q [T, heads, D], k [T, kv_heads, D]."""
+    grouped = q.view(q.shape[0], KV_HEADS, GROUP, DIM).permute(1, 2, 0, 3)
+    return grouped @ k.permute(1, 2, 0)[:, None]
+
+
+def tables_for(queries: torch.Tensor, keys: torch.Tensor, shift: bool = True) -> KeySmoothing:
+    statistics = KeyStatistics()
+    half = len(keys) // 2  # statistics add up over steps
+    statistics.observe(queries[:half], keys[:half])
+    statistics.observe(queries[half:], keys[half:])
+    return statistics.smoothing(shift=shift, dtype=torch.float32)
+
+
+def test_smoothing_changes_no_attention_weight() -> None:
+    queries, keys = channel_profile(torch.Generator().manual_seed(0))
+    tables = tables_for(queries, keys)
+    assert tables.key_offset.abs().max() > 0.1, "keys with a mean are shifted"
+    q, k = tables.apply(queries, keys)
+    torch.testing.assert_close(scores(q, k).softmax(-1), scores(queries, keys).softmax(-1),
+                               atol=1e-6, rtol=1e-5)
+    # Without the shift the scales are powers of two: every score is the same number.
+    unshifted = tables_for(queries, keys, shift=False)
+    assert torch.count_nonzero(unshifted.key_offset) == 0
+    assert torch.equal(scores(*unshifted.apply(queries, keys)), scores(queries, keys))
+
+
+def test_smoothed_int8_keys_move_attention_weights_less() -> None:
+    """Here the scales alone cut the error ~3.5x and the shift ~3x more."""
+    queries, keys = channel_profile(torch.Generator().manual_seed(1))
+    exact = scores(queries, keys).softmax(-1)
+
+    def error(q: torch.Tensor, k: torch.Tensor) -> float:
+        held = rotate(round_trip(rotate(k), torch.int8))  # as an int8 cache gives keys back
+        return (scores(q, held).softmax(-1) - exact).abs().mean().item()
+
+    plain = error(queries, keys)
+    scaled = error(*tables_for(queries, keys, shift=False).apply(queries, keys))
+    smoothed = error(*tables_for(queries, keys).apply(queries, keys))
+    assert scaled < plain / 2 and smoothed < scaled / 2, (plain, scaled, smoothed)
+
+
+def test_a_silent_layer_gets_finite_tables() -> None:
+    zeros = torch.zeros(8, KV_HEADS, DIM)
+    tables = tables_for(torch.zeros(8, KV_HEADS * GROUP, DIM), zeros)
+    for table in (tables.query_scale, tables.key_factor, tables.key_offset):
+        assert torch.isfinite(table).all()
+
+
+def runner_tables(model_dir: Path, cache: torch.dtype, num_blocks: int = 20,
+                  ) -> tuple[ModelRunner, list[KeySmoothing | None]]:
+    model = load_model(str(model_dir), torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, num_blocks, 16, torch.device("cpu"), torch.float32,
+                         cache_dtype=cache)
+    return runner, [layer.key_smoothing for layer in attention_layers(model)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_runners_on_the_same_weights_derive_the_same_tables(model_type: str,
+                                                            tmp_path: Path) -> None:
+    model_dir = build_tiny_llama_dir(tmp_path, model_type)
+    first, tables = runner_tables(model_dir, torch.int8)
+    second, again = runner_tables(model_dir, torch.int8)
+    assert all(table is not None for table in tables)
+    assert first.kv_meaning == second.kv_meaning != ""
+    for table, other in zip(tables, again, strict=True):
+        assert torch.equal(table.key_offset, other.key_offset)
+        assert torch.equal(table.key_factor, other.key_factor)
+    capped = [layer.softcap is not None for layer in attention_layers(first.model)]
+    for table, is_capped in zip(tables, capped, strict=True):
+        # softmax ignores a shift common to all keys; a soft cap does not
+        assert (torch.count_nonzero(table.key_offset) == 0) == is_capped
+    assert any(capped) == (model_type == "gemma2")
+
+
+def test_a_plain_cache_has_no_tables_and_other_tables_name_other_blocks(tmp_path: Path) -> None:
+    model_dir = build_tiny_llama_dir(tmp_path)
+    plain, tables = runner_tables(model_dir, torch.float32)
+    assert plain.kv_meaning == "" and not any(tables)
+    runner, tables = runner_tables(model_dir, torch.int8)
+    fewer, _ = runner_tables(model_dir, torch.int8, num_blocks=3)  # 48 calibration tokens
+    assert fewer.kv_meaning != runner.kv_meaning
+    doubled = [KeySmoothing(t.query_scale * 2, t.key_factor / 2, t.key_offset / 2)
+               for t in tables]
+    assert fingerprint(doubled) != runner.kv_meaning
+    names = {payload_layout(str(model_dir), torch.float32, 16, runner.kv_caches, meaning)
+             for meaning in (runner.kv_meaning, fewer.kv_meaning)}
+    assert len(names) == 2
