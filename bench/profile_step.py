@@ -39,7 +39,14 @@ from engine.attention.cpu_backend import CpuBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.core import EngineCore
 from engine.distributed.tensor_parallel import keep_to_cores, rank_layout
-from engine.kernels import elementwise, paged_decode, paged_prefill, q8_0_matmul
+from engine.kernels import (
+    elementwise,
+    int4_matmul,
+    moe_int4,
+    paged_decode,
+    paged_prefill,
+    q8_0_matmul,
+)
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
@@ -83,7 +90,8 @@ SCOPE_FUNCTIONS: dict[str, tuple[Callable, ...]] = {
 # Whole modules; activation quantization and scaling belong to the product.
 SCOPE_MODULES: dict[str, tuple[ModuleType, ...]] = {
     "attention": (torch_backend, cpu_backend, paged_decode, paged_prefill),
-    "GEMM": (quantization_base, int4, int8, q8_0, w8a8, q8_0_matmul, w8a8_kernels),
+    "GEMM": (quantization_base, int4, int8, q8_0, w8a8, q8_0_matmul, w8a8_kernels, int4_matmul,
+             moe_int4),
     "sampler": (sampler, logits_processors),
 }
 SCOPES: list[tuple[str, str, range]] = [
