@@ -83,10 +83,12 @@ class FairShare:
         account = self.accounts[request.tenant]
         account.counter += cost / account.weight
 
-    def pick_waiting(self, waiting: list[Request], running: list[Request]) -> Request:
-        """The request to admit next: the first (in queue order) of the waiting tenant with
-        the smallest counter; among equal counters (a returning tenant is lifted to the
-        smallest waiting one) the tenant holding fewer seats, then queue order."""
+    def pick_waiting(self, waiting: list[Request], running: list[Request],
+                     seats: int) -> Request:
+        """The request to admit next: the first (in queue order) of a waiting tenant, those
+        under their share of the seats (`SeatShares`) before the others, then the smallest
+        counter; among equal counters (a returning tenant is lifted to the smallest waiting
+        one) the tenant holding fewer seats, then queue order."""
         num_tenants = self.num_waiting_tenants
         if num_tenants <= 1:
             return waiting[0]
@@ -95,51 +97,67 @@ class FairShare:
             heads.setdefault(request.tenant, request)
             if len(heads) == num_tenants:
                 break
-        held = Counter(request.tenant for request in running)
-        return min(heads.values(),
-                   key=lambda request: (self.counter(request.tenant), held[request.tenant]))
+        seat_shares = SeatShares.of(self, running, seats)
+        return min(heads.values(), key=lambda request: (
+            not seat_shares.can_take(request.tenant), self.counter(request.tenant),
+            seat_shares.held[request.tenant]))
 
-    def seat_exchange(self, waiting: list[Request], running: list[Request],
-                      seats: int) -> tuple[Request, Request] | None:
-        """Every seat taken: (a waiting request, the running one to give it its seat), for
-        the first waiting request of a tenant holding no seat at all (the one with the
-        smallest counter, if several) whose weighted share of the seats (among the tenants
-        with requests running or waiting) is at least one; the seat comes from the tenant
-        furthest over its own share even without it, its most recently admitted request. So
-        a light tenant starts at once beside a flooding one, and tenants that all hold seats
-        share by admission order alone (no seat changes hands twice: no thrashing)."""
-        heads: dict[str, Request] = {}
-        for request in waiting:
-            heads.setdefault(request.tenant, request)
-        for head in sorted(heads.values(), key=lambda request: self.counter(request.tenant)):
-            victim = self._seat_victim(head, running, seats)
-            if victim is not None:
-                return head, victim
-        return None
-
-    def _seat_victim(self, candidate: Request, running: list[Request],
-                     seats: int) -> Request | None:
-        held = Counter(request.tenant for request in running)
-        active = {name for name, account in self.accounts.items()
-                  if account.num_waiting or held[name]}
-        if len(active) < 2:
+    def seat_for(self, request: Request, running: list[Request], seats: int) -> Request | None:
+        """Every seat taken and `request` next (`pick_waiting`): the running request to give
+        it its seat where its tenant is under its share; the seat comes from the tenant
+        furthest over its own share even without it, its most recently admitted request.
+        So a light tenant's request starts at once beside a flooding tenant, not when a seat
+        frees; no seat changes hands twice (the giver stays at or over its share, the taker
+        at or under), and tenants under their share take free seats first: a seat taken
+        from a tenant was not given to it in the same step."""
+        seat_shares = SeatShares.of(self, running, seats)
+        if not seat_shares.can_take(request.tenant):
             return None
-        total = sum(self.accounts[name].weight for name in active)
-
-        def share(name: str) -> float:
-            return seats * self.accounts[name].weight / total
-
-        if held[candidate.tenant] or share(candidate.tenant) < 1:
-            return None
-        over = [name for name in active
-                if name != candidate.tenant and held[name] - 1 >= share(name)]
+        over = [name for name in seat_shares.active
+                if name != request.tenant and seat_shares.can_give(name)]
         if not over:
             return None
-        furthest = max(over, key=lambda name: held[name] - share(name))
-        return next(request for request in reversed(running) if request.tenant == furthest)
+        furthest = max(over, key=seat_shares.excess)
+        return next(other for other in reversed(running) if other.tenant == furthest)
 
     def pick_victim(self, running: list[Request]) -> Request:
         """The request to preempt: of the running tenant furthest over its share (largest
         counter), the most recently admitted; among equal counters, the most recently
         admitted of them (with one tenant: the last of `running`, as without tenants)."""
         return max(reversed(running), key=lambda request: self.counter(request.tenant))
+
+
+@dataclass(slots=True)
+class SeatShares:
+    """The seats each tenant holds, against its weighted share of them among the tenants
+    with requests running or waiting (with one such tenant, nothing is anyone's to take)."""
+
+    fair_share: FairShare
+    seats: int
+    held: Counter[str]
+    active: set[str]
+
+    @classmethod
+    def of(cls, fair_share: FairShare, running: list[Request], seats: int) -> SeatShares:
+        held = Counter(request.tenant for request in running)
+        active = {name for name, account in fair_share.accounts.items()
+                  if account.num_waiting or held[name]}
+        return cls(fair_share, seats, held, active)
+
+    @property
+    def total_weight(self) -> float:
+        return sum(self.fair_share.accounts[name].weight for name in self.active)
+
+    def share(self, tenant: str) -> float:
+        return self.seats * self.fair_share.accounts[tenant].weight / self.total_weight
+
+    def can_take(self, tenant: str) -> bool:
+        """One more seat keeps the tenant within its share."""
+        return len(self.active) > 1 and self.held[tenant] + 1 <= self.share(tenant)
+
+    def can_give(self, tenant: str) -> bool:
+        """One seat fewer keeps the tenant at or over its share."""
+        return len(self.active) > 1 and self.held[tenant] - 1 >= self.share(tenant)
+
+    def excess(self, tenant: str) -> float:
+        return self.held[tenant] - self.share(tenant)

@@ -270,13 +270,13 @@ class Scheduler:
                        budget: int) -> None:
         reason = WaitReason.PREEMPTION if trace.preempted else None
         while self.waiting and reason is None:
-            request = self.fair_share.pick_waiting(self.waiting, self.running)
+            request = self.fair_share.pick_waiting(self.waiting, self.running,
+                                                   self.config.max_num_seqs)
             prefix = self.block_manager.cached_prefix(request)
             reason = self._why_not_admit(request, prefix, budget)
-            exchange = None if reason != WaitReason.NO_SEAT else self.fair_share.seat_exchange(
-                self.waiting, self.running, self.config.max_num_seqs)
-            if exchange is not None:  # a tenant under its share takes a seat from one over
-                request, victim = exchange
+            victim = None if reason != WaitReason.NO_SEAT else self.fair_share.seat_for(
+                request, self.running, self.config.max_num_seqs)
+            if victim is not None:  # a tenant under its share takes a seat from one over
                 budget += self._unschedule(victim, chunks)
                 self._preempt(victim, trace)
                 prefix = self.block_manager.cached_prefix(request)
@@ -323,7 +323,8 @@ class Scheduler:
                 trace.waited[request.request_id] = WaitReason.BATCH_CLOSED
             return
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.fair_share.pick_waiting(self.waiting, self.running)
+            request = self.fair_share.pick_waiting(self.waiting, self.running,
+                                                   self.config.max_num_seqs)
             prefix = self.block_manager.cached_prefix(request)
             if not self.block_manager.can_allocate(request, request.num_tokens, prefix):
                 break

@@ -4,6 +4,7 @@ waiting request is admitted next and whose running request is preempted."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -200,9 +201,10 @@ def test_random_tenant_workloads_finish_with_sound_kv_accounting(seed):
     assert all(request.is_finished for request in added)
 
 
-def test_a_tenant_without_a_seat_takes_one_from_a_tenant_over_its_share():
+def test_a_tenant_under_its_share_takes_a_seat_from_a_tenant_over_its_share():
     """Seats full of a flooding tenant's requests: a light tenant's request is admitted in
-    the step it arrives, the flooding tenant's most recently admitted one preempted."""
+    the step it arrives, the flooding tenant's most recently admitted one preempted, until
+    the light tenant holds its share (2 of 4 seats here); then its next waits."""
     scheduler = make_scheduler(max_num_seqs=4)
     for index in range(8):
         scheduler.add(make_request(f"a{index}", prompt_len=4, max_tokens=50, tenant="a"))
@@ -214,10 +216,25 @@ def test_a_tenant_without_a_seat_takes_one_from_a_tenant_over_its_share():
     assert "a3" not in output.trace.scheduled
     assert sorted(r.request_id for r in scheduler.running) == ["a0", "a1", "a2", "b0"]
     scheduler.add(make_request("b1", prompt_len=4, max_tokens=50, tenant="b"))
-    output = run_step(scheduler)  # b holds a seat: its next waits for one to free, first
-    assert output.trace.preempted == [] and "b1" not in output.trace.scheduled
-    next_up = scheduler.fair_share.pick_waiting(scheduler.waiting, scheduler.running)
-    assert next_up.request_id == "b1"
+    output = run_step(scheduler)  # b holds one seat of its two
+    assert "b1" in output.trace.scheduled and output.trace.preempted == ["a2"]
+    scheduler.add(make_request("b2", prompt_len=4, max_tokens=50, tenant="b"))
+    output = run_step(scheduler)  # b holds its share: its next waits for a seat to free
+    assert output.trace.preempted == [] and "b2" not in output.trace.scheduled
+    assert sorted(r.request_id for r in scheduler.running) == ["a0", "a1", "b0", "b1"]
+
+
+def test_an_arrival_takes_as_many_seats_as_its_share_in_one_step():
+    scheduler = make_scheduler(max_num_seqs=6)
+    for index in range(8):
+        scheduler.add(make_request(f"a{index}", prompt_len=4, max_tokens=50, tenant="a"))
+    run_step(scheduler)
+    for index in range(5):
+        scheduler.add(make_request(f"b{index}", prompt_len=4, max_tokens=50, tenant="b"))
+    output = run_step(scheduler)
+    assert sorted(output.trace.preempted) == ["a3", "a4", "a5"]
+    assert sorted(r.request_id for r in scheduler.running if r.tenant == "b") == [
+        "b0", "b1", "b2"]
 
 
 def test_saturating_tenants_take_a_seat_from_each_other_once_not_back_and_forth():
@@ -229,12 +246,14 @@ def test_saturating_tenants_take_a_seat_from_each_other_once_not_back_and_forth(
         scheduler.add(make_request(f"two{index}", prompt_len=4, max_tokens=8, tenant="two",
                                    tenant_weight=2.0))
     tenant_of = {f"{name}{i}": name for name in ("one", "two") for i in range(30)}
+    shares = {"one": 2, "two": 4}  # 6 seats by weights 1:2
     for _ in range(60):
-        holding = {request.tenant for request in scheduler.running}
+        held = Counter(request.tenant for request in scheduler.running)
         output = run_step(scheduler)
-        for victim in output.trace.preempted:  # only ever for a tenant that held no seat
-            starved = {"one", "two"} - holding
-            assert starved and tenant_of[victim] not in starved
+        for victim in output.trace.preempted:  # from a tenant over its share to one under
+            giver = tenant_of[victim]
+            taker = "two" if giver == "one" else "one"
+            assert held[giver] > shares[giver] and held[taker] < shares[taker]
     assert 1 <= scheduler.num_preemptions <= 8
 
 
@@ -247,5 +266,5 @@ def test_a_returning_tenant_lifted_to_a_tie_goes_before_the_tenant_holding_more_
     run_step(scheduler)  # b0 holds a seat; b has nothing waiting
     scheduler.add(make_request("b1", prompt_len=4, max_tokens=50, tenant="b"))
     assert scheduler.fair_share.counter("b") == scheduler.fair_share.counter("a")  # lifted
-    assert scheduler.fair_share.pick_waiting(scheduler.waiting,
-                                             scheduler.running).request_id == "b1"
+    assert scheduler.fair_share.pick_waiting(scheduler.waiting, scheduler.running,
+                                             4).request_id == "b1"
