@@ -10,6 +10,11 @@ largest. A tenant that comes back after a while with nothing waiting has its cou
 to the smallest counter among the tenants still waiting (or, when none waits, to the counter
 of the tenant whose waiting requests ran out last), so idle time is never banked as credit.
 
+Seats (max_num_seqs) are shared by weight as well (`SeatShares`): a tenant under its share
+of them is admitted before those at or over it, and takes a seat from the tenant furthest
+over its share when none is free, so a light tenant's request does not wait for a flooding
+tenant's requests to finish.
+
 Without tenants every request belongs to the one tenant "", and the order is plain FCFS.
 """
 
