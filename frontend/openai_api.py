@@ -180,7 +180,7 @@ def prepare_generations(state: ServerState, prompts: list[list[int]],
                    info.eos_token_ids, arrival, hooks)
         for engine_request in engine_requests
     ]  # fmt: skip
-    state.admission.admit(engines, len(engine_requests))
+    state.admission.admit(engines, len(engine_requests), policy.within_share)
     num_prompt_tokens = sum(map(len, prompts))
     if state.settings.admission_control:
         queue.check(PendingPrompt(policy.tenant_name, policy.tenant_weight, num_prompt_tokens),

@@ -53,6 +53,13 @@ class RequestPolicy:
                                     f"{TIMEOUT_HEADER}) passed before it reached the engine.")
         return left
 
+    @property
+    def within_share(self) -> bool:
+        """Its tenant holds at most its weighted share of the open requests, among all the
+        tenants of --tenants (False without): an overloaded queue still takes its request."""
+        return self.gate is not None and self.tenant is not None \
+            and self.gate.within_share(self.tenant)
+
     def take_prompt_tokens(self, tokens: int) -> None:
         if self.gate is not None and self.tenant is not None:
             self.gate.take_prompt_tokens(self.tenant, tokens)

@@ -48,6 +48,13 @@ class TenantGate:
         self.metrics.requests.labels(tenant=name).inc()
         self.metrics.running.labels(tenant=name).set(usage.num_running)
 
+    def within_share(self, usage: TenantUsage) -> bool:
+        """The tenant's open requests (this one counted) are at most its weighted share of
+        all open requests, shared among every tenant of the table."""
+        total_weight = sum(other.tenant.weight for other in self.usage.values())
+        total = sum(other.num_running for other in self.usage.values())
+        return usage.num_running * total_weight <= total * usage.tenant.weight
+
     def finish(self, usage: TenantUsage) -> None:
         usage.finish()
         self.metrics.running.labels(tenant=usage.tenant.name).set(usage.num_running)

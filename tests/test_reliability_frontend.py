@@ -125,6 +125,7 @@ def test_admission_bounds_the_waiting_choices() -> None:
         admission.admit(engine, 2)
     assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
     assert refused.value.code == "server_overloaded"
+    admission.admit(engine, 2, within_share=True)  # a tenant within its share still enters
 
 
 async def test_waiting_is_in_flight_minus_running() -> None:

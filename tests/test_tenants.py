@@ -187,6 +187,21 @@ def test_the_gate_gives_401s_and_counts_by_tenant():
     assert sample("loom:tenant_requests_total", {"tenant": "team-b"}) == 0
 
 
+def test_a_tenant_within_its_weighted_share_of_the_open_requests():
+    """team-a weighs 2, team-b 1: team-a's share is two thirds of all open requests."""
+    gate = TenantGate.create(parse_tenants(tomllib.loads(GOOD)), CollectorRegistry())
+    a, b = gate.identify(KEY_A), gate.identify(KEY_B)
+    for _ in range(5):
+        gate.start(b)
+    assert not gate.within_share(b)  # alone but for its own, past its third of them
+    gate.start(a)
+    assert gate.within_share(a)
+    a.num_running = 10  # (past team-a's concurrency cap, set directly)
+    assert gate.within_share(a) and gate.within_share(b)  # 10 of 15 and 5 of 15: at them
+    a.num_running = 11
+    assert not gate.within_share(a) and gate.within_share(b)
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "86401", ""])
 def test_a_bad_timeout_header_is_a_400(value):
     with pytest.raises(APIError) as error:

@@ -126,3 +126,47 @@ def test_deadlines_and_the_concurrency_cap(server):
     assert metric(server, "loom:kv_integrity_violations_total") == 0
     status, _, body = send(server, completion(2), KEY_A)
     assert status == 200, body
+
+
+FLOOD_TENANTS = f"""
+[tenants.alpha]
+key_sha256 = "{key_digest(KEY_A)}"
+
+[tenants.beta]
+key_sha256 = "{key_digest(KEY_B)}"
+"""
+
+
+def test_a_tenant_flooding_the_queue_does_not_shut_the_other_out(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The waiting queue is full of alpha's requests, so alpha's next is a 503; beta, within
+    its share of the open requests, is still taken, and its request starts at once in a seat
+    alpha gives up (two seats, one each by weight)."""
+    path = tmp_path_factory.mktemp("flood") / "tenants.toml"
+    path.write_text(FLOOD_TENANTS)
+    server = tiny_server(shared_tiny_model(tmp_path_factory), "--num-kv-blocks", "512",
+                         "--max-num-seqs", "2", "--max-waiting-requests", "2",
+                         "--tenants", str(path))
+    with server.start(tmp_path_factory.mktemp("logs")):
+        results: list[int] = []
+        flood: list[threading.Thread] = []
+
+        def in_engine() -> float:
+            return (metric(server, "loom:num_requests_running")
+                    + metric(server, "loom:num_requests_waiting"))
+
+        while not results:  # one at a time, each seen by the engine, until one is refused
+            flood.append(threading.Thread(target=lambda: results.append(send(
+                server, completion(LONG), KEY_A, **{"X-Request-Timeout": "8"})[0])))
+            flood[-1].start()
+            wait_until(lambda: bool(results) or in_engine() == len(flood))
+        assert results == [503] and len(flood) == 5, (results, len(flood))  # 2 run, 2 wait
+        started = time.monotonic()
+        status, _, body = send(server, completion(2), KEY_B)
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 2
+        assert time.monotonic() - started < 5  # not behind alpha's long requests
+        for thread in flood:
+            thread.join(timeout=60)
+        assert 503 in results and 200 in results, results  # alpha: some refused, some served
+        assert metric(server, "loom:kv_integrity_violations_total") == 0
