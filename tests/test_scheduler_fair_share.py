@@ -14,6 +14,14 @@ from engine.scheduler import Scheduler, WaitReason
 from tests.scheduler_helpers import make_request, make_scheduler, run_step, run_until_idle
 
 
+def add_requests(scheduler: Scheduler, tenant: str, count: int, max_tokens: int = 50,
+                 weight: float = 1.0) -> None:
+    """`count` requests of 4 prompt tokens for `tenant`, named tenant0, tenant1, ..."""
+    for index in range(count):
+        scheduler.add(make_request(f"{tenant}{index}", prompt_len=4, max_tokens=max_tokens,
+                                   tenant=tenant, tenant_weight=weight))
+
+
 def admission_order(scheduler: Scheduler, max_steps: int = 1000) -> list[str]:
     order: list[str] = []
     for _ in range(max_steps):
@@ -206,8 +214,7 @@ def test_a_tenant_under_its_share_takes_a_seat_from_a_tenant_over_its_share():
     the step it arrives, the flooding tenant's most recently admitted one preempted, until
     the light tenant holds its share (2 of 4 seats here); then its next waits."""
     scheduler = make_scheduler(max_num_seqs=4)
-    for index in range(8):
-        scheduler.add(make_request(f"a{index}", prompt_len=4, max_tokens=50, tenant="a"))
+    add_requests(scheduler, "a", 8)
     run_step(scheduler)
     assert [r.request_id for r in scheduler.running] == ["a0", "a1", "a2", "a3"]
     scheduler.add(make_request("b0", prompt_len=4, max_tokens=50, tenant="b"))
@@ -226,11 +233,9 @@ def test_a_tenant_under_its_share_takes_a_seat_from_a_tenant_over_its_share():
 
 def test_an_arrival_takes_as_many_seats_as_its_share_in_one_step():
     scheduler = make_scheduler(max_num_seqs=6)
-    for index in range(8):
-        scheduler.add(make_request(f"a{index}", prompt_len=4, max_tokens=50, tenant="a"))
+    add_requests(scheduler, "a", 8)
     run_step(scheduler)
-    for index in range(5):
-        scheduler.add(make_request(f"b{index}", prompt_len=4, max_tokens=50, tenant="b"))
+    add_requests(scheduler, "b", 5)
     output = run_step(scheduler)
     assert sorted(output.trace.preempted) == ["a3", "a4", "a5"]
     assert sorted(r.request_id for r in scheduler.running if r.tenant == "b") == [
@@ -239,12 +244,9 @@ def test_an_arrival_takes_as_many_seats_as_its_share_in_one_step():
 
 def test_saturating_tenants_take_a_seat_from_each_other_once_not_back_and_forth():
     scheduler = make_scheduler(max_num_seqs=6)
-    for index in range(30):
-        scheduler.add(make_request(f"one{index}", prompt_len=4, max_tokens=8, tenant="one"))
+    add_requests(scheduler, "one", 30, max_tokens=8)
     run_step(scheduler)
-    for index in range(30):
-        scheduler.add(make_request(f"two{index}", prompt_len=4, max_tokens=8, tenant="two",
-                                   tenant_weight=2.0))
+    add_requests(scheduler, "two", 30, max_tokens=8, weight=2.0)
     tenant_of = {f"{name}{i}": name for name in ("one", "two") for i in range(30)}
     shares = {"one": 2, "two": 4}  # 6 seats by weights 1:2
     for _ in range(60):
