@@ -2,13 +2,18 @@
 optionally, one prefill step, in each forward mode.
 
     python -m bench.profile_step [--model DIR] [--dtype auto] [--batch 1,64] [--context 128]
-        [--prefill 2048] [--steps 20] [--modes eager,compiled] [--tensor-parallel-size 2]
+        [--prefill 2048] [--steps 20] [--modes eager,taped,compiled] [--tensor-parallel-size 2]
 
 The engine runs in-process (`EngineCore.step`: scheduler, runner, forward, sampler). Wall time
 is the median of unprofiled steps; the op classes come from a torch.profiler run of the same
 steps: each op's own (self) CPU time goes to a class by its name or by the function of ours
 that issued it. Python/other is the wall time no op accounts for: the scheduler, building the
 step's inputs, the interpreter between ops.
+
+Modes: `eager` runs every step's forward op by op (`--enforce-eager`); `taped` as the engine
+runs by default, small decode steps replayed from kernel tapes (engine.executor.decode_tapes),
+each replayed call timed and classed by its kernel (a prefill step runs as in `eager`, so this
+mode profiles none); `compiled` through torch.compile.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +45,8 @@ from engine.attention.cpu_backend import CpuBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.core import EngineCore
 from engine.distributed.tensor_parallel import keep_to_cores, rank_layout
+from engine.executor import kernel_tape
+from engine.executor.kernel_tape import Tape
 from engine.kernels import (
     elementwise,
     int4_matmul,
@@ -101,6 +109,46 @@ SCOPES: list[tuple[str, str, range]] = [
     (op_class, _package_path(module.__file__ or ""), range(1, 10**6))
     for op_class, modules in SCOPE_MODULES.items() for module in modules
 ]
+
+
+# A replayed tape's calls, by kernel (other calls are torch ops, classed by their names).
+TAPED_KERNELS = {
+    "loom_moe_int4": "GEMM", "loom_int4_matmul": "GEMM", "loom_q8_0_matmul": "GEMM",
+    "loom_quantize_rows": "GEMM", "loom_rescale": "GEMM", "loom_paged_decode": "attention",
+    "loom_write_kv": "KV write", "loom_write_kv_codes": "KV write", "loom_add_rms_norm": "norms",
+    "loom_rotary": "rope", "loom_silu_and_mul": "activation",
+}
+TAPE_FILE = _package_path(kernel_tape.__file__ or "")
+
+
+def taped_class(name: str) -> str:
+    if name in TAPED_KERNELS:
+        return TAPED_KERNELS[name]
+    return "GEMM" if name in GEMM_OPS else "KV write" if name in KV_WRITE_OPS else "Python/other"
+
+
+@contextmanager
+def timed_replays(class_us: dict[str, float]) -> Iterator[None]:
+    """Every tape replayed call by call, each call's time added to its class."""
+    def replay(tape: Tape) -> None:
+        for name, call in zip(tape.names, tape.calls, strict=True):
+            started = time.perf_counter()
+            if call():
+                raise RuntimeError(f"{name} refused its arguments")
+            class_us[taped_class(name)] += (time.perf_counter() - started) * 1e6
+
+    untimed = Tape.replay
+    Tape.replay = replay  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Tape.replay = untimed  # type: ignore[method-assign]
+
+
+def in_tape(event: FunctionEvent) -> bool:
+    """An op or frame inside a replayed call (timed_replays counts those)."""
+    frames = [event.name] if is_python_frame(event.name) else []
+    return any(TAPE_FILE in frame for frame in [*frames, *python_callers(event)])
 
 
 def is_python_frame(name: str) -> bool:
@@ -167,7 +215,8 @@ def profile_steps(core: EngineCore, label: str, run_step: Callable[[], None],
         run_step()
         walls.append(time.perf_counter() - started)
     class_us = dict.fromkeys(CLASSES, 0.0)
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+    with timed_replays(class_us), \
+            profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(steps):
             run_step()
     events = prof.events()
@@ -177,7 +226,7 @@ def profile_steps(core: EngineCore, label: str, run_step: Callable[[], None],
     engine_thread = ops_by_thread.most_common(1)[0][0]
     for event in events:
         if event.thread == engine_thread and event.self_cpu_time_total > 0 \
-                and not event.name.startswith(("## ", "Torch-Compiled")):
+                and not event.name.startswith(("## ", "Torch-Compiled")) and not in_tape(event):
             class_us[classify(event)] += event.self_cpu_time_total
     # Profiled ops run slower than unprofiled ones: scale the classes to the unprofiled wall.
     profiled_total = sum(class_us.values())
@@ -234,7 +283,7 @@ def make_core(args: argparse.Namespace, mode: str, quantization: str) -> EngineC
         model=resolve_model(args.model), dtype=args.dtype,
         max_num_seqs=max(args.batch), enable_prefix_caching=False,
         max_num_batched_tokens=max(args.prefill or 0, 2048),
-        compile=mode == "compiled", quantization=quantization,
+        compile=mode == "compiled", enforce_eager=mode == "eager", quantization=quantization,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.tensor_parallel_size > 1:  # as the engine process does: rank 0 on its cores
@@ -252,7 +301,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="also profile one prefill step "
                                                                "of this many tokens")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--modes", default="eager,taped,compiled")
     parser.add_argument("--quantization", default="",
                         help="comma-separated --quantization methods, each profiled eager")
     parser.add_argument("--seed", type=int, default=0)
@@ -275,7 +324,7 @@ def main() -> None:
             rows.append(decode_profile(core, f"{name} decode, batch {batch}", batch,
                                        args.context, args.steps, rng).row())
             print(rows[-1], file=sys.stderr, flush=True)
-        if args.prefill:
+        if args.prefill and mode != "taped":
             rows.append(prefill_profile(core, f"{name} prefill, {args.prefill} tokens",
                                         args.prefill, max(3, args.steps // 5), rng).row())
             print(rows[-1], file=sys.stderr, flush=True)

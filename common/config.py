@@ -44,7 +44,7 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     seed: int = 0
     compile: bool = False  # torch.compile the forward (engine.executor.compiled_forward)
-    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs, and never compile
+    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs or kernel tapes, never compile
     quantization: str = "auto"  # auto (a GGUF's own) | none | int8 | int4 | w8a8
     # A row's logits the same bits whatever shares its step (engine.layers.batch_invariant)
     batch_invariant: bool = False
@@ -201,8 +201,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile the forward (inductor); the first start compiles "
                              "for ~1 min, later ones load the compile cache")
     engine.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs for decode steps on a GPU, and never compile "
-                             "the forward (wins over --compile)")
+                        help="no CUDA graphs for decode steps on a GPU, no kernel tapes on "
+                             "a CPU, and never compile the forward (wins over --compile)")
     engine.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
                         help="weights quantized at load: int8 / int4 weight-only, w8a8 (int8 "
                              "weights and per-token int8 activations); auto: as the checkpoint "

@@ -164,7 +164,8 @@ class EngineCore:
                            max_num_seqs=self.config.max_num_seqs,
                            tensor_parallel=self.workers is not None, layout=self.kv_layout,
                            batch_invariant=self.config.batch_invariant,
-                           cache_dtype=self.cache_dtype)
+                           cache_dtype=self.cache_dtype,
+                           decode_tapes=not self.config.enforce_eager)
 
     def _graph_memory(self) -> int:
         """Bytes the decode graphs keep on the GPU: measured by recording them once over a

@@ -201,7 +201,9 @@ def test_the_mode_logs_what_it_runs(model_dir: str, caplog: pytest.LogCaptureFix
 def test_by_default_only_steps_with_prompt_rows_are_padded(
     model_dir: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    core = make_core(model_dir, dtype="bfloat16")
+    # Eager: each step's forward is seen here (a taped decode replays its own exact size,
+    # tests/test_decode_tapes.py).
+    core = make_core(model_dir, dtype="bfloat16", enforce_eager=True)
     assert core.runner.kernels.padded_steps and not core.runner.attention.rows_only
     rows: list[int] = []
     forward = core.runner.forward

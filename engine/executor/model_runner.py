@@ -19,6 +19,7 @@ from engine.attention.workspace import Workspace
 from engine.distributed.tensor_parallel import broadcast_step
 from engine.executor.compiled_forward import Forward, compile_forward, timed_warm_up
 from engine.executor.cuda_graphs import DecodeGraphs, Recorder
+from engine.executor.decode_tapes import DecodeTapes
 from engine.executor.kernel_choice import KernelChoice
 from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
@@ -142,11 +143,13 @@ class ModelRunner:
                  recorder: Recorder | None = None, max_model_len: int = 0,
                  max_num_seqs: int = 0, tensor_parallel: bool = False,
                  layout: KVCacheLayout | None = None, batch_invariant: bool = False,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, decode_tapes: bool = False) -> None:
         """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
         others before running it (engine.distributed.tensor_parallel). `layout`: the layers'
         KV cache groups (default: one). `batch_invariant`: see KernelChoice. `cache_dtype`:
-        the KV cache's (default: `dtype`; 8-bit: engine.attention.quantized_kv)."""
+        the KV cache's (default: `dtype`; 8-bit: engine.attention.quantized_kv).
+        `decode_tapes`: small decode steps replay kernel tapes where they can
+        (engine.executor.decode_tapes: the CPU's C++ attention, eager, one rank)."""
         self.model = model
         self.layout = layout or KVCacheLayout.single(model.num_layers)
         assign_kv_groups(model, self.layout)
@@ -187,6 +190,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, self.kv_caches, block_size, max_model_len,
                                        max_num_seqs, padding_block=num_blocks, device=device,
                                        recorder=recorder, num_groups=self.layout.num_groups)
+        self.tapes: DecodeTapes | None = None
+        c_plus_plus = getattr(self.attention, "uses_kernel", False)
+        if (decode_tapes and c_plus_plus and device.type == "cpu" and recorder is None
+                and not compiled and not tensor_parallel and not batch_invariant):
+            self.tapes = DecodeTapes(model, self.forward, self.kv_caches, self.attention,
+                                     block_size, max_model_len, self.layout.num_groups)
 
     @property
     def kv_meaning(self) -> str:
@@ -247,6 +256,10 @@ class ModelRunner:
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mappings,
                                 inputs.seq_lens, inputs.block_tables)
             return self._logits(inputs, hidden, float32_logits)
+        if self.tapes is not None and inputs.is_decode_only and not inputs.pooling:
+            hidden = self._replayed(inputs)
+            if hidden is not None:
+                return self._logits(inputs, hidden, float32_logits)
         drafted = frozenset(inputs.drafted)
         metadata = [self.attention.build_metadata(inputs.query_lens, inputs.seq_lens, tables,
                                                   slots, self.device, row_requests=drafted)
@@ -268,6 +281,16 @@ class ModelRunner:
             for span in inputs.pooling:
                 pool_rows(span, hidden, self.model.model.norm)
             return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
+
+    def _replayed(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The decode step's hidden states from a tape, or None where none serves it."""
+        assert self.tapes is not None
+        width = max((len(table) for tables in inputs.block_tables for table in tables),
+                    default=0)
+        if not self.tapes.serves(len(inputs.token_ids), width):
+            return None
+        return self.tapes.run(inputs.token_ids, inputs.positions, inputs.seq_lens,
+                              inputs.slot_mappings, inputs.block_tables)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
                 float32_logits: bool) -> torch.Tensor:

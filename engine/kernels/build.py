@@ -33,6 +33,15 @@ SOURCE_DIR = Path(__file__).parent / "cpu"
 I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
+# Every library loaded, with its functions' names: a recording (engine.executor.kernel_tape)
+# stands in for them while a forward records.
+_LOADED: list[tuple[ctypes.CDLL, tuple[str, ...]]] = []
+
+
+def loaded_kernels() -> list[tuple[ctypes.CDLL, tuple[str, ...]]]:
+    return list(_LOADED)
+
+
 def kernel_enabled(variable: str) -> bool:
     """A kernel's switch: on unless the environment sets `variable` to 0."""
     return os.environ.get(variable, "1") != "0"
@@ -51,6 +60,7 @@ def load_library(name: str, fallback: str,
     for function, (argtypes, restype) in signatures.items():
         getattr(library, function).argtypes = argtypes
         getattr(library, function).restype = restype
+    _LOADED.append((library, tuple(signatures)))
     return library
 
 

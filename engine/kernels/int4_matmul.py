@@ -43,8 +43,8 @@ def run_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     offsets: torch.Tensor) -> torch.Tensor:
     """x fp32 [rows, k] times W = q·s + o transposed: codes as `pack_nibbles`
     makes them, scales and offsets fp32 [n, k / 32], all contiguous CPU tensors."""
-    kernel = load_int4_kernel()
-    assert kernel is not None
+    library = load_int4_kernel()
+    assert library is not None
     x = x.contiguous()
     n, k = codes.shape[0], codes.shape[1] * 2
     if (x.dtype != torch.float32 or x.shape[1] != k or x.shape[0] < 1
@@ -52,16 +52,16 @@ def run_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"int4: x {tuple(x.shape)} {x.dtype} against codes "
                          f"{tuple(codes.shape)}, scales {tuple(scales.shape)}")
     y = x.new_empty((x.shape[0], n))
-    status = kernel(x.data_ptr(), x.shape[0], codes.data_ptr(), scales.data_ptr(),
-                    offsets.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    status = library.loom_int4_matmul(x.data_ptr(), x.shape[0], codes.data_ptr(),
+                                      scales.data_ptr(), offsets.data_ptr(), y.data_ptr(), n, k,
+                                      torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the int4 kernel refused its arguments ({status})")
     return y
 
 
 @functools.cache
-def load_int4_kernel() -> ctypes._CFuncPtr | None:
+def load_int4_kernel() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
-    library = load_library("int4_matmul", "the fp32 copy", {
+    return load_library("int4_matmul", "the fp32 copy", {
         "loom_int4_matmul": ([PTR, I64, PTR, PTR, PTR, PTR, I64, I64, INT], ctypes.c_int)})
-    return None if library is None else library.loom_int4_matmul

@@ -52,23 +52,28 @@ def unpack_experts(codes: torch.Tensor, scales: torch.Tensor,
     return q, scales_and_zeros
 
 
-def run_moe_int4(x: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor,
+def run_moe_int4(x: torch.Tensor, counts: torch.Tensor | None, codes: torch.Tensor,
                  scales: torch.Tensor) -> torch.Tensor:
     """y [rows, n] bf16: x's rows (bf16 [rows, k]) grouped by expert, counts[e] of them
-    (int64 [E]) times expert e's weight transposed; codes and scales as `pack_experts` makes
-    them."""
+    (int64 [E]; None: one expert, all its rows) times expert e's weight transposed; codes and
+    scales as `pack_experts` makes them."""
     library = load_moe_int4_kernel()
     assert library is not None
     x = x.contiguous()
     experts, tiles, groups = codes.shape[:3]
     n, k = tiles * TILE, groups * GROUP
-    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k
-            or counts.dtype != torch.int64 or counts.shape != (experts,)):
-        raise ValueError(f"moe int4: x {tuple(x.shape)} {x.dtype}, counts "
-                         f"{tuple(counts.shape)} {counts.dtype} against {experts} experts of "
-                         f"{n} x {k}")
+    if counts is None:
+        counts_ok = experts == 1
+    else:
+        counts, counts_ok = counts.contiguous(), (counts.dtype == torch.int64
+                                                  and counts.shape == (experts,))
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not counts_ok:
+        counts_text = "none" if counts is None else f"{tuple(counts.shape)} {counts.dtype}"
+        raise ValueError(f"moe int4: x {tuple(x.shape)} {x.dtype}, counts {counts_text} "
+                         f"against {experts} experts of {n} x {k}")
     y = x.new_empty((x.shape[0], n))
-    status = library.loom_moe_int4(x.data_ptr(), x.shape[0], counts.contiguous().data_ptr(),
+    status = library.loom_moe_int4(x.data_ptr(), x.shape[0],
+                                   None if counts is None else counts.data_ptr(),
                                    experts, codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
                                    n, k, torch.get_num_threads())
     if status != 0:

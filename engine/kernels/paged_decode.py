@@ -34,8 +34,8 @@ def run_paged_decode(
 ) -> None:
     """Each row attends its context's last `window` tokens (all of them without one), its
     scaled scores soft-capped at `softcap` where given."""
-    kernel = load_cpp_decode()
-    assert kernel is not None
+    library = load_cpp_library()
+    assert library is not None
     codes = CODE_KINDS.get(k_cache.dtype, 0) if k_cache.dtype == v_cache.dtype else 0
     if not (codes or q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"paged decode of {q.dtype} queries over {k_cache.dtype} caches")
@@ -45,7 +45,7 @@ def run_paged_decode(
         q = q.contiguous()
     tables = batch.block_tables
     runs = None if batch.runs is None else batch.runs.data_ptr()
-    status = kernel(
+    status = library.loom_paged_decode(
         int(q.dtype == torch.bfloat16), codes, q.data_ptr(), q.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), batch.lens.data_ptr(),
         batch.row_index.data_ptr(), batch.size, runs, batch.num_runs, q.shape[1],

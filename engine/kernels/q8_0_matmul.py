@@ -30,8 +30,8 @@ def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
     """x [rows, k] (bf16 or fp32, contiguous) times the int8 weight transposed:
     codes int8 [n, k], scales float32 [n, k / block] (block 32 or 16), both contiguous CPU
     tensors."""
-    kernel = load_q8_kernel()
-    assert kernel is not None
+    library = load_q8_kernel()
+    assert library is not None
     x = x.contiguous()
     n, k = codes.shape
     block = k // scales.shape[1]
@@ -39,17 +39,17 @@ def run_q8_0_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
         raise ValueError(f"Q8_0: x {tuple(x.shape)} against codes {tuple(codes.shape)} "
                          f"and scales {tuple(scales.shape)}")
     y = x.new_empty((x.shape[0], n))
-    status = kernel(int(x.dtype is torch.bfloat16), x.data_ptr(), x.shape[0], codes.data_ptr(),
-                    scales.data_ptr(), y.data_ptr(), n, k, block, torch.get_num_threads())
+    status = library.loom_q8_0_matmul(int(x.dtype is torch.bfloat16), x.data_ptr(), x.shape[0],
+                                      codes.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k,
+                                      block, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the Q8_0 kernel refused its arguments ({status})")
     return y
 
 
 @functools.cache
-def load_q8_kernel() -> ctypes._CFuncPtr | None:
+def load_q8_kernel() -> ctypes.CDLL | None:
     """Compile (once, cached on disk) and load the kernel; None, logged, when that fails."""
-    library = load_library("q8_0_matmul", "the dequantized weight", {
+    return load_library("q8_0_matmul", "the dequantized weight", {
         "loom_q8_0_matmul": ([INT, PTR, I64, PTR, PTR, PTR, I64, I64, I64, INT],
                              ctypes.c_int)})
-    return None if library is None else library.loom_q8_0_matmul

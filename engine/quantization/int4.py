@@ -4,8 +4,6 @@ and Q4_K codes load into it as they are (`from_codes`)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engine.kernels import moe_int4
@@ -121,15 +119,10 @@ class Int4Linear(QuantizedLinear):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self._grouped_args is not None:  # the grouped kernel, with one "expert"
-            return moe_int4.run_moe_int4(x, row_counts(x.shape[0]), *self._grouped_args)
+            return moe_int4.run_moe_int4(x, None, *self._grouped_args)
         if self._float_kernel_args is not None:
             return run_int4_matmul(x, *self._float_kernel_args)
         if self._kernel_args is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)
         return x @ self.dequantized_weight().to(x.dtype).T
 
-
-@functools.cache
-def row_counts(rows: int) -> torch.Tensor:
-    """The grouped kernel's counts for one weight: all `rows` rows are its."""
-    return torch.tensor([rows], dtype=torch.int64)

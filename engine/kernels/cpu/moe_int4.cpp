@@ -177,11 +177,13 @@ void task(const Problem& p, int64_t expert, int64_t first, int64_t last, int64_t
 extern "C" int loom_moe_int4_available() { return 1; }
 
 // y [rows, n] = for each expert e, its counts[e] rows of x (after those of experts 0 .. e - 1)
-// times its weight transposed (see the top). 1 when the shapes are out of range.
+// times its weight transposed (see the top); no counts: one expert, every row its. 1 when the
+// shapes are out of range.
 extern "C" int loom_moe_int4(const uint16_t* x, int64_t rows, const int64_t* counts,
                              int64_t experts, const uint8_t* codes, const uint16_t* scales,
                              uint16_t* y, int64_t n, int64_t k, int threads) {
-  if (rows < 0 || k % kGroup || n % kTile) return 1;
+  if (rows < 0 || k % kGroup || n % kTile || (!counts && experts != 1)) return 1;
+  if (!counts) counts = &rows;
   std::vector<int64_t> start(experts + 1, 0);
   int64_t active = 0;
   for (int64_t e = 0; e < experts; ++e) {
