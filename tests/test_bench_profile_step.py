@@ -11,14 +11,19 @@ from bench.profile_step import CLASSES
 from tests.model_fixtures import build_tiny_llama_dir
 
 
-def test_profile_rows_split_each_step_by_op_class(tmp_path) -> None:
+def run_profile(tmp_path, batch: str, modes: str) -> subprocess.CompletedProcess:
     model_dir = build_tiny_llama_dir(tmp_path)
     completed = subprocess.run(
         [sys.executable, "-m", "bench.profile_step", "--model", model_dir, "--dtype", "float32",
-         "--batch", "1,4", "--context", "8", "--prefill", "24", "--steps", "3",
-         "--modes", "eager"],
+         "--batch", batch, "--context", "8", "--prefill", "24", "--steps", "3",
+         "--modes", modes],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr
+    return completed
+
+
+def test_profile_rows_split_each_step_by_op_class(tmp_path) -> None:
+    completed = run_profile(tmp_path, "1,4", "eager")
     rows = {line.split(" | ")[0].lstrip("| "): line for line in completed.stdout.splitlines()
             if line.startswith("| eager")}
     assert list(rows) == ["eager decode, batch 1", "eager decode, batch 4",
@@ -40,13 +45,7 @@ def test_profile_rows_split_each_step_by_op_class(tmp_path) -> None:
 def test_taped_rows_class_each_replayed_call(tmp_path) -> None:
     """A taped decode step's kernels run inside the tape, not under our modules' frames: the
     timed replay still puts their time in its classes."""
-    model_dir = build_tiny_llama_dir(tmp_path)
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench.profile_step", "--model", model_dir, "--dtype", "float32",
-         "--batch", "1", "--context", "8", "--prefill", "24", "--steps", "3",
-         "--modes", "taped"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr
+    completed = run_profile(tmp_path, "1", "taped")
     rows = [line for line in completed.stdout.splitlines() if line.startswith("| taped")]
     assert len(rows) == 1 and rows[0].startswith("| taped decode, batch 1 |")  # no prefill row
     cells = [cell.strip() for cell in rows[0].strip("| ").split(" | ")]
