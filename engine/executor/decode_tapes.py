@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,15 +22,13 @@ from engine.attention.base import AttentionBackend
 from engine.attention.decode_buckets import DecodeBatch
 from engine.attention.forward_context import forward_context
 from engine.attention.metadata import AttentionMetadata, HeadPlan, StepPlan
+from engine.executor.cuda_graphs import Forward, KVCaches
 from engine.executor.kernel_tape import RecordingRefused, Tape, held_tensors, record
 from engine.kv_cache_groups import blocks_for
 
 logger = logging.getLogger(__name__)
 
 MAX_TAPE_BATCH = 16
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-Forward = Callable[[torch.Tensor, torch.Tensor, KVCaches], torch.Tensor]
 
 
 @dataclass(slots=True)

@@ -62,18 +62,15 @@ def run_moe_int4(x: torch.Tensor, counts: torch.Tensor | None, codes: torch.Tens
     x = x.contiguous()
     experts, tiles, groups = codes.shape[:3]
     n, k = tiles * TILE, groups * GROUP
-    if counts is None:
-        counts_ok = experts == 1
-    else:
-        counts, counts_ok = counts.contiguous(), (counts.dtype == torch.int64
-                                                  and counts.shape == (experts,))
+    counts_ok = experts == 1 if counts is None else (counts.dtype == torch.int64
+                                                     and counts.shape == (experts,))
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not counts_ok:
         counts_text = "none" if counts is None else f"{tuple(counts.shape)} {counts.dtype}"
         raise ValueError(f"moe int4: x {tuple(x.shape)} {x.dtype}, counts {counts_text} "
                          f"against {experts} experts of {n} x {k}")
     y = x.new_empty((x.shape[0], n))
     status = library.loom_moe_int4(x.data_ptr(), x.shape[0],
-                                   None if counts is None else counts.data_ptr(),
+                                   None if counts is None else counts.contiguous().data_ptr(),
                                    experts, codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
                                    n, k, torch.get_num_threads())
     if status != 0:

@@ -95,6 +95,8 @@ def load_cpp_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def load_cpp_decode() -> ctypes._CFuncPtr | None:
-    """The paged-decode kernel, or None (logged) when the library cannot be built."""
+    """The paged-decode kernel, or None (logged) when the library cannot be built: to ask
+    whether it serves. Calls go through `load_cpp_library()`'s attribute, which a kernel
+    tape's recording stands in for (engine.executor.kernel_tape); this cached one it cannot."""
     library = load_cpp_library()
     return None if library is None else library.loom_paged_decode
