@@ -10,11 +10,12 @@ import torch
 
 from engine.core import EngineCore
 from engine.executor import kernel_tape
-from engine.executor.decode_tapes import StaticDecodeInputs
+from engine.executor.decode_tapes import StaticDecodeInputs, StepShape
 from engine.executor.kernel_tape import RecordingRefused, record
 from engine.kernels.elementwise import load_elementwise, run_add_rms_norm
 from tests.engine_helpers import assert_no_leaks, greedy_request, make_core
 from tests.model_fixtures import build_tiny_llama_dir
+from tests.test_speculative_engine import spec_core
 
 BLOCK_SIZE = 4  # the tiny runs cross many block boundaries
 
@@ -59,9 +60,30 @@ def test_taped_decodes_equal_eager_ones_token_and_logprob(tmp_path, model_type, 
     got = outputs_with_logprobs(taped, staggered_requests(0))
     assert got == want
     tapes = taped.runner.tapes
-    assert {rows for rows, _ in tapes.taped} | tapes.refused == {1, 2, 3, 4, 5}
-    if model_type == "llama" and cache_dtype == "auto":
+    assert {(shape.rows, shape.requests) for shape in tapes.taped} | tapes.refused == {
+        (n, n) for n in range(1, 6)}
+    if model_type == "llama":
         assert tapes.refused == set(), "the plain decoder must replay from tapes"
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_taped_speculative_steps_equal_eager_ones(tmp_path, cache_dtype) -> None:
+    """Drafted decodes beside plain ones (rows > requests: each request's rows one run),
+    drafts accepted and rejected at every position: tokens and logprobs bit for bit."""
+    model_dir = build_tiny_llama_dir(tmp_path)
+    settings = {"block_size": BLOCK_SIZE, "kv_cache_dtype": cache_dtype}
+    want = outputs_with_logprobs(make_core(model_dir, enforce_eager=True, **settings),
+                                 staggered_requests(2))
+    continuations = {name: [token for token, _ in pairs] for name, pairs in want.items()}
+    cores = [spec_core(model_dir, continuations, enforce_eager=eager, **settings)
+             for eager in (True, False)]
+    eager, taped = (outputs_with_logprobs(core, staggered_requests(2)) for core in cores)
+    assert taped == eager
+    assert [token for token, _ in taped["r4"]] == continuations["r4"]
+    shapes = cores[1].runner.tapes.taped
+    assert any(shape.requests < shape.rows for shape in shapes), shapes
+    assert any(shape.requests > 1 and shape.requests < shape.rows for shape in shapes), shapes
+    assert cores[1].speculator.totals.num_accepted_tokens > 0
 
 
 def test_a_new_thread_count_records_its_own_tape(tmp_path) -> None:
@@ -79,7 +101,7 @@ def test_a_new_thread_count_records_its_own_tape(tmp_path) -> None:
     finally:
         torch.set_num_threads(threads)
     assert got["a"] == want["a"][:6] and more["b"] == want["a"]
-    assert set(taped.runner.tapes.taped) == {(1, threads), (1, 1)}
+    assert set(taped.runner.tapes.taped) == {StepShape(1, 1, threads), StepShape(1, 1, 1)}
 
 
 def test_a_forward_that_reads_a_value_stays_eager_and_correct(tmp_path, caplog) -> None:
@@ -98,7 +120,8 @@ def test_a_forward_that_reads_a_value_stays_eager_and_correct(tmp_path, caplog) 
     with caplog.at_level(logging.WARNING):
         got = outputs_with_logprobs(taped, staggered_requests(1))
     assert got == outputs_with_logprobs(eager, staggered_requests(1))
-    assert taped.runner.tapes.taped == {} and taped.runner.tapes.refused == {1, 2, 3, 4, 5}
+    assert taped.runner.tapes.taped == {}
+    assert taped.runner.tapes.refused == {(n, n) for n in range(1, 6)}
     assert "stay eager" in caplog.text and "reads a tensor's values" in caplog.text
 
 
@@ -171,11 +194,23 @@ def test_recording_puts_the_kernels_back() -> None:
 
 
 def test_staged_write_rows_are_each_token_and_heads_cache_row() -> None:
-    inputs = StaticDecodeInputs.allocate(2, width=4, block_size=4, num_kv_heads=3,
-                                         num_groups=1)
-    inputs.stage([7, 8], [5, 2], [6, 3], [[9 * 4 + 1, 2 * 4 + 2]], [[[3, 9], [2]]])
+    inputs = StaticDecodeInputs.allocate(StepShape(2, 2, 1), width=4, block_size=4,
+                                         num_kv_heads=3, num_groups=1)
+    inputs.stage([7, 8], [5, 2], [1, 1], [[9 * 4 + 1, 2 * 4 + 2]], [[[3, 9], [2]]])
     # slot 37 = block 9 offset 1; slot 10 = block 2 offset 2; row = (block * H + h) * bs + off
     assert inputs.write_rows[0].tolist() == [(9 * 3 + h) * 4 + 1 for h in range(3)] + \
         [(2 * 3 + h) * 4 + 2 for h in range(3)]
     assert inputs.block_tables[0][:, :2].tolist() == [[3, 9], [2, 0]]
     assert inputs.lens.tolist() == [6, 3] and inputs.positions.tolist() == [5, 2]
+    assert inputs.runs is None
+
+
+def test_staged_drafted_rows_are_each_a_decode_over_its_causal_prefix() -> None:
+    """Request 0: one decode at position 5; request 1: its last token at 2 and two drafts."""
+    inputs = StaticDecodeInputs.allocate(StepShape(4, 2, 1), width=2, block_size=4,
+                                         num_kv_heads=1, num_groups=1)
+    inputs.stage([7, 8, 9, 10], [5, 2, 3, 4], [1, 3], [[37, 10, 11, 12]], [[[3, 9], [2, 6]]])
+    assert inputs.lens.tolist() == [6, 3, 4, 5]
+    assert inputs.block_tables[0].tolist() == [[3, 9], [2, 6], [2, 6], [2, 6]]
+    assert inputs.runs is not None and inputs.runs.tolist() == [0, 1, 4]
+    assert inputs.num_requests == 2

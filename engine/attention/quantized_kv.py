@@ -22,6 +22,7 @@ import functools
 import torch
 
 from common.config import KV_CACHE_DTYPES
+from engine.platform.lifelong import lifelong
 
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn,
                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -88,7 +89,7 @@ def hadamard(head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.T
         block = torch.cat([torch.cat([block, block], 1), torch.cat([block, -block], 1)])
     block /= size ** 0.5
     matrix = torch.block_diag(*[block] * (head_dim // size))
-    return matrix.to(device=device, dtype=dtype)
+    return lifelong(matrix.to(device=device, dtype=dtype))
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """Small decode steps on the CPU, replayed from kernel tapes (engine.executor.kernel_tape).
 
-A decode step of n rows (n up to MAX_TAPE_BATCH, where the Python between kernels is a large
+A step of n decode rows (n up to MAX_TAPE_BATCH, where the Python between kernels is a large
 share of the step) runs over `StaticDecodeInputs` of its own: the step's ids, positions,
-context lengths, block tables and KV write rows, staged at fixed addresses. The first step
-of each size (and thread count: the kernels take it as an argument) runs the forward over
-them twice, once to warm what it builds lazily and once recording; every later one stages
-its inputs and replays the tape. A size whose recording is refused stays eager, logged once.
-Only the C++ attention backend's decode path reads nothing but tensors, so only it is taped.
+context lengths, block tables and KV write rows, staged at fixed addresses. A speculative
+step's drafted decodes are decode rows too, each over its causal prefix, a request's rows
+read together as one run (engine.attention.metadata.plan_rows): such a step's shape is its
+rows and its requests. The first step of each shape (and thread count: the kernels take it
+as an argument) runs the forward over them twice, once to warm what it builds lazily and
+once recording; every later one stages its inputs and replays the tape. A shape whose
+recording is refused stays eager, logged once. Only the C++ attention backend's decode path
+reads nothing but tensors, so only it is taped.
 """
 
 from __future__ import annotations
@@ -21,42 +24,60 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.attention.decode_buckets import DecodeBatch
 from engine.attention.forward_context import forward_context
-from engine.attention.metadata import AttentionMetadata, HeadPlan, StepPlan
+from engine.attention.metadata import AttentionMetadata, HeadPlan, StepPlan, run_offsets
 from engine.executor.cuda_graphs import Forward, KVCaches
 from engine.executor.kernel_tape import RecordingRefused, Tape, held_tensors, record
 from engine.kv_cache_groups import blocks_for
+from engine.platform.lifelong import lifelong_tensors
 
 logger = logging.getLogger(__name__)
 
 MAX_TAPE_BATCH = 16
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a tape is recorded for: the step's rows, its requests (fewer where some carry
+    drafts) and the kernels' thread count."""
+
+    rows: int
+    requests: int
+    threads: int
+
+    @property
+    def has_runs(self) -> bool:
+        return self.rows > self.requests
+
+
 @dataclass(slots=True)
 class StaticDecodeInputs:
-    """One decode step of `size` rows at fixed addresses; tables, slots and write rows one
-    per KV cache group."""
+    """One step of `size` decode rows at fixed addresses; tables, slots and write rows one
+    per KV cache group; `runs` where a request has several rows (its drafts)."""
 
     input_ids: torch.Tensor  # [size] int64
     positions: torch.Tensor  # [size] int64
     lens: torch.Tensor  # [size] int64: tokens each row attends
     row_index: torch.Tensor  # [size] int64: row i of q is row i (constant)
-    block_tables: list[torch.Tensor]  # [size, max blocks per sequence] int64
+    block_tables: list[torch.Tensor]  # [size, max blocks per sequence] int64: each row's
     slots: list[torch.Tensor]  # [size] int64
     write_rows: list[torch.Tensor]  # [size * kv heads] int64: each new (token, head)'s cache row
+    runs: torch.Tensor | None  # [requests + 1] int64: request i's rows are runs[i]..runs[i+1]
     block_size: int
     num_kv_heads: int
 
     @classmethod
-    def allocate(cls, size: int, width: int, block_size: int, num_kv_heads: int,
+    def allocate(cls, shape: StepShape, width: int, block_size: int, num_kv_heads: int,
                  num_groups: int) -> StaticDecodeInputs:
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int64)
+        def zeros(*dims: int) -> torch.Tensor:
+            return torch.zeros(dims, dtype=torch.int64)
 
+        size = shape.rows
         return cls(zeros(size), zeros(size), torch.ones(size, dtype=torch.int64),
                    torch.arange(size, dtype=torch.int64),
                    [zeros(size, width) for _ in range(num_groups)],
                    [zeros(size) for _ in range(num_groups)],
                    [zeros(size * num_kv_heads) for _ in range(num_groups)],
+                   zeros(shape.requests + 1) if shape.has_runs else None,
                    block_size, num_kv_heads)
 
     @property
@@ -64,28 +85,40 @@ class StaticDecodeInputs:
         return self.input_ids.numel()
 
     @property
+    def num_requests(self) -> int:
+        return self.size if self.runs is None else self.runs.numel() - 1
+
+    @property
     def width(self) -> int:
         return self.block_tables[0].shape[1]
 
     @property
     def tensors(self) -> list[torch.Tensor]:
+        runs = [] if self.runs is None else [self.runs]
         return [self.input_ids, self.positions, self.lens, self.row_index, *self.block_tables,
-                *self.slots, *self.write_rows]
+                *self.slots, *self.write_rows, *runs]
 
-    def stage(self, token_ids: list[int], positions: list[int], seq_lens: list[int],
+    def stage(self, token_ids: list[int], positions: list[int], query_lens: list[int],
               slot_mappings: list[list[int]], tables: list[list[list[int]]]) -> None:
         """The step's values into the buffers (through numpy views: list assignment there is
-        several times cheaper than a tensor per list)."""
+        several times cheaper than a tensor per list). Request i has `query_lens[i]` rows
+        at consecutive positions; each row attends its position's causal prefix."""
         self.input_ids.numpy()[:] = token_ids
-        self.positions.numpy()[:] = positions
-        self.lens.numpy()[:] = seq_lens
+        position_rows = self.positions.numpy()
+        position_rows[:] = positions
+        np.add(position_rows, 1, out=self.lens.numpy())
+        owners = range(len(query_lens))
+        if self.runs is not None:
+            owners = np.repeat(owners, query_lens).tolist()
+            self.runs.numpy()[:] = run_offsets(owners)
         heads = np.arange(self.num_kv_heads)
         for group_slots, group_tables, slots, block_tables, write_rows in zip(
                 slot_mappings, tables, self.slots, self.block_tables, self.write_rows,
                 strict=True):
             slots.numpy()[:] = group_slots
             table_rows = block_tables.numpy()
-            for row, table in enumerate(group_tables):
+            for row, owner in enumerate(owners):
+                table = group_tables[owner]
                 table_rows[row, :len(table)] = table
             blocks, offsets = np.divmod(slots.numpy(), self.block_size)
             rows = (blocks[:, None] * self.num_kv_heads + heads) * self.block_size
@@ -99,7 +132,7 @@ class StaticDecodeInputs:
         for tables, slots, write_rows in zip(self.block_tables, self.slots, self.write_rows,
                                              strict=True):
             batch = DecodeBatch(list(range(size)), [1] * size, self.row_index, self.lens,
-                                tables, max_block=num_cache_blocks - 1)
+                                tables, max_block=num_cache_blocks - 1, runs=self.runs)
             head_plan = HeadPlan(write_rows, num_cache_blocks * self.num_kv_heads
                                  * self.block_size - 1, self.row_index[:0], [], [])
             metadata.append(AttentionMetadata(
@@ -118,7 +151,7 @@ class Taped:
 
 
 class DecodeTapes:
-    """Decode steps of up to MAX_TAPE_BATCH rows from tapes, recorded on each size's first
+    """Steps of up to MAX_TAPE_BATCH decode rows from tapes, recorded on each shape's first
     step."""
 
     def __init__(self, model: torch.nn.Module, forward: Forward, kv_caches: KVCaches,
@@ -133,33 +166,33 @@ class DecodeTapes:
         self.num_groups = num_groups
         self.max_batch = max_batch
         self.num_cache_blocks = kv_caches[0][0].shape[0]
-        self.taped: dict[tuple[int, int], Taped] = {}  # by (rows, threads)
-        self.refused: set[int] = set()  # sizes whose recording was refused
+        self.taped: dict[StepShape, Taped] = {}
+        self.refused: set[tuple[int, int]] = set()  # (rows, requests) whose recording was refused
 
-    def serves(self, num_rows: int, table_width: int) -> bool:
-        return (0 < num_rows <= self.max_batch and num_rows not in self.refused
+    def serves(self, num_rows: int, num_requests: int, table_width: int) -> bool:
+        return (0 < num_rows <= self.max_batch and (num_rows, num_requests) not in self.refused
                 and table_width <= self.width)
 
-    def run(self, token_ids: list[int], positions: list[int], seq_lens: list[int],
+    def run(self, token_ids: list[int], positions: list[int], query_lens: list[int],
             slot_mappings: list[list[int]], tables: list[list[list[int]]],
             ) -> torch.Tensor | None:
-        """Hidden states [rows, hidden] of the decode step (the tape's output buffer: read
-        it before the next step), or None where its size's recording was refused just now
+        """Hidden states [rows, hidden] of the step (the tape's output buffer: read it
+        before the next step), or None where its shape's recording was refused just now
         (the caller runs it eagerly)."""
-        key = (len(token_ids), torch.get_num_threads())
-        taped = self.taped.get(key)
+        shape = StepShape(len(token_ids), len(query_lens), torch.get_num_threads())
+        taped = self.taped.get(shape)
         if taped is not None:
-            taped.inputs.stage(token_ids, positions, seq_lens, slot_mappings, tables)
+            taped.inputs.stage(token_ids, positions, query_lens, slot_mappings, tables)
             taped.tape.replay()
             return taped.output
-        inputs = StaticDecodeInputs.allocate(len(token_ids), self.width, self.block_size,
+        inputs = StaticDecodeInputs.allocate(shape, self.width, self.block_size,
                                              self.kv_caches[0][0].shape[1], self.num_groups)
-        inputs.stage(token_ids, positions, seq_lens, slot_mappings, tables)
+        inputs.stage(token_ids, positions, query_lens, slot_mappings, tables)
         taped = self._record(inputs)
         if taped is None:
-            self.refused.add(len(token_ids))
+            self.refused.add((shape.rows, shape.requests))
             return None
-        self.taped[key] = taped
+        self.taped[shape] = taped
         return taped.output
 
     def _record(self, inputs: StaticDecodeInputs) -> Taped | None:
@@ -171,14 +204,16 @@ class DecodeTapes:
 
         started = time.perf_counter()
         step()  # builds what the forward makes once (kernels, cached tables) outside the tape
-        trusted = [*held_tensors(self.model), *inputs.tensors,
+        trusted = [*held_tensors(self.model), *inputs.tensors, *lifelong_tensors(),
                    *(cache for pair in self.kv_caches for cache in pair)]
         try:
             tape, output = record(step, trusted)
         except RecordingRefused as refusal:
-            logger.warning("decode steps of %d rows stay eager: %s", inputs.size, refusal)
+            logger.warning("decode steps of %d rows (%d requests) stay eager: %s", inputs.size,
+                           inputs.num_requests, refusal)
             return None
-        logger.info("decode tape for %d rows (%d threads): %d calls, recorded in %.2f s",
-                    inputs.size, torch.get_num_threads(), len(tape.calls),
+        logger.info("decode tape for %d rows of %d requests (%d threads): %d calls, recorded "
+                    "in %.2f s", inputs.size, inputs.num_requests, torch.get_num_threads(),
+                    len(tape.calls),
                     time.perf_counter() - started)
         return Taped(inputs, tape, output)

@@ -14,7 +14,8 @@ the forward again:
   or makes a tensor from Python values (`torch.tensor`);
 - a kernel's pointer or a torch op's input lies in memory the tape cannot vouch for: not
   made during the recording, not held by the model (its parameters, buffers and the tensors
-  its modules keep), not the KV caches, not the staged inputs.
+  its modules keep), not the KV caches, not the staged inputs, not a constant kept for the
+  life of the process (engine.platform.lifelong).
 Everything made during the recording stays alive with the tape, so no address it holds is
 ever handed out again.
 """

@@ -102,6 +102,12 @@ class StepInputs:
     def is_decode_only(self) -> bool:
         return len(self.token_ids) == len(self.query_lens)
 
+    @property
+    def rows_are_decodes(self) -> bool:
+        """Every row is a decode over its causal prefix: a request's one new token, or its
+        last token and drafts (no prompt rows)."""
+        return not self.has_prompt_rows
+
     def pack(self) -> torch.Tensor:
         """One int64 tensor, to broadcast to the other tensor-parallel ranks."""
         width = max((len(table) for tables in self.block_tables for table in tables), default=0)
@@ -256,7 +262,7 @@ class ModelRunner:
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mappings,
                                 inputs.seq_lens, inputs.block_tables)
             return self._logits(inputs, hidden, float32_logits)
-        if self.tapes is not None and inputs.is_decode_only and not inputs.pooling:
+        if self.tapes is not None and inputs.rows_are_decodes and not inputs.pooling:
             hidden = self._replayed(inputs)
             if hidden is not None:
                 return self._logits(inputs, hidden, float32_logits)
@@ -283,13 +289,13 @@ class ModelRunner:
             return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
 
     def _replayed(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The decode step's hidden states from a tape, or None where none serves it."""
+        """The step's hidden states from a tape, or None where none serves it."""
         assert self.tapes is not None
         width = max((len(table) for tables in inputs.block_tables for table in tables),
                     default=0)
-        if not self.tapes.serves(len(inputs.token_ids), width):
+        if not self.tapes.serves(len(inputs.token_ids), len(inputs.query_lens), width):
             return None
-        return self.tapes.run(inputs.token_ids, inputs.positions, inputs.seq_lens,
+        return self.tapes.run(inputs.token_ids, inputs.positions, inputs.query_lens,
                               inputs.slot_mappings, inputs.block_tables)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,

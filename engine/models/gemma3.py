@@ -67,7 +67,10 @@ class Gemma3Model(LlamaModel):
         rope_local = config.rope_local or config.rope
         self.rotary_tables_local = RotaryTables(rope_local, config.head_dim,
                                                 config.max_position_embeddings, dtype)
-        self.embed_scale = config.hidden_size**0.5
+        # sqrt(hidden) rounded to the model's dtype, as transformers scales the embeddings
+        scale = torch.tensor(config.hidden_size**0.5, device="cpu",
+                             dtype=dtype or torch.get_default_dtype())
+        self.register_buffer("embed_scale", scale, persistent=False)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -79,7 +82,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         ropes = (model.rotary_tables.forward(positions),
                  model.rotary_tables_local.forward(positions))
         x = model.embed_tokens.forward(input_ids)
-        x, residual = x * torch.tensor(model.embed_scale, dtype=x.dtype), None
+        x, residual = x * model.embed_scale.to(x.dtype), None
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, ropes[layer.sliding], kv_cache)
         return x + residual
