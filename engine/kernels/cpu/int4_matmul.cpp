@@ -33,13 +33,17 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset(float v) { return _mm512_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-// Codes part·16 .. part·16 + 15 of a group's bytes, times the group's scale.
-inline Vec scaled_codes(__m128i bytes, int part, Vec scale) {
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i codes = part == 0 ? _mm_and_si128(bytes, mask)
-                                  : _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), scale);
+using Bytes = __m512i;  // a group's 16 bytes, one per 32-bit lane
+inline Bytes load_bytes(const uint8_t* group, int /*half: one holds the group*/) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
 }
+// Codes part·16 .. part·16 + 15 of a group (low nibbles, then high), times its scale.
+inline Vec scaled_codes(Bytes bytes, int part, Vec scale) {
+  const __m512i codes = part == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))
+                                  : _mm512_srli_epi32(bytes, 4);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale);
+}
+constexpr int kHalves = 1;
 #elif defined(__AVX2__)
 using Vec = __m256;
 constexpr int kLanes = 8;
@@ -48,14 +52,19 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset(float v) { return _mm256_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return sum8(v); }
-// Codes part·8 .. part·8 + 7 of a group's bytes, times the group's scale.
-inline Vec scaled_codes(__m128i bytes, int part, Vec scale) {
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  __m128i codes = part < 2 ? _mm_and_si128(bytes, mask)
-                           : _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  if (part & 1) codes = _mm_srli_si128(codes, 8);
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), scale);
+using Bytes = __m256i;  // 8 of a group's bytes, one per 32-bit lane
+// Bytes half·8 .. half·8 + 7 of a group, widened as they load (no shuffle of a loaded xmm).
+inline Bytes load_bytes(const uint8_t* group, int half) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 8 * half)));
 }
+// Codes part·8 .. part·8 + 7 of a group, from the bytes of half part % 2 (low nibbles for
+// parts 0-1, high for 2-3), times its scale.
+inline Vec scaled_codes(Bytes bytes, int part, Vec scale) {
+  const __m256i codes = part < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f))
+                                 : _mm256_srli_epi32(bytes, 4);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(codes), scale);
+}
+constexpr int kHalves = 2;
 #endif
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -68,15 +77,17 @@ void block(const float* x, int64_t k, const uint8_t* q, const float* s, float* o
   for (int c = 0; c < kChannels; ++c)
     for (int r = 0; r < kRows; ++r) acc[c][r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
-    __m128i bytes[kChannels];
+    Bytes bytes[kChannels][kHalves];
     Vec scale[kChannels];
     for (int c = 0; c < kChannels; ++c) {
-      bytes[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * k / 2 + g * 16));
+      for (int half = 0; half < kHalves; ++half)
+        bytes[c][half] = load_bytes(q + c * k / 2 + g * 16, half);
       scale[c] = vset(s[c * groups + g]);
     }
     for (int part = 0; part < kGroup / kLanes; ++part) {
       Vec w[kChannels];
-      for (int c = 0; c < kChannels; ++c) w[c] = scaled_codes(bytes[c], part, scale[c]);
+      for (int c = 0; c < kChannels; ++c)
+        w[c] = scaled_codes(bytes[c][part % kHalves], part, scale[c]);
       for (int r = 0; r < kRows; ++r) {
         const Vec xv = vload(x + r * k + g * kGroup + part * kLanes);
         for (int c = 0; c < kChannels; ++c) acc[c][r] = vfma(w[c], xv, acc[c][r]);
