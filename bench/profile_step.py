@@ -12,8 +12,10 @@ step's inputs, the interpreter between ops.
 
 Modes: `eager` runs every step's forward op by op (`--enforce-eager`); `taped` as the engine
 runs by default, small decode steps replayed from kernel tapes (engine.executor.decode_tapes),
-each replayed call timed and classed by its kernel (a prefill step runs as in `eager`, so this
-mode profiles none); `compiled` through torch.compile.
+each replayed call timed and classed by its kernel in steps of their own, without the
+profiler, interleaved with the unprofiled ones (the profiler's share is then scaled over
+what runs outside the tapes only); a prefill step runs as in `eager`, so this mode profiles
+none; `compiled` through torch.compile.
 """
 
 from __future__ import annotations
@@ -208,15 +210,20 @@ class StepProfile:
 
 def profile_steps(core: EngineCore, label: str, run_step: Callable[[], None],
                   steps: int) -> StepProfile:
-    """Median wall time of `steps` steps, then the op classes of `steps` more, per step."""
+    """Median wall time of `steps` steps, each followed by one whose replayed tapes' calls are
+    timed call by call (the two kinds interleaved: this machine's speed drifts); then the op
+    classes of `steps` more outside the tapes, from the profiler, scaled to the wall time the
+    tapes leave."""
     walls = []
+    taped_us = dict.fromkeys(CLASSES, 0.0)
     for _ in range(steps):
         started = time.perf_counter()
         run_step()
         walls.append(time.perf_counter() - started)
-    class_us = dict.fromkeys(CLASSES, 0.0)
-    with timed_replays(class_us), \
-            profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        with timed_replays(taped_us):
+            run_step()
+    outside_us = dict.fromkeys(CLASSES, 0.0)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(steps):
             run_step()
     events = prof.events()
@@ -227,12 +234,16 @@ def profile_steps(core: EngineCore, label: str, run_step: Callable[[], None],
     for event in events:
         if event.thread == engine_thread and event.self_cpu_time_total > 0 \
                 and not event.name.startswith(("## ", "Torch-Compiled")) and not in_tape(event):
-            class_us[classify(event)] += event.self_cpu_time_total
-    # Profiled ops run slower than unprofiled ones: scale the classes to the unprofiled wall.
-    profiled_total = sum(class_us.values())
+            outside_us[classify(event)] += event.self_cpu_time_total
+    # Profiled ops run slower than unprofiled ones (the profiler's own Python frames most of
+    # all): scale the classes outside the tapes to the unprofiled wall the tapes leave.
     wall_ms = statistics.median(walls) * 1000
-    scale = min(1.0, wall_ms * steps * 1000 / profiled_total) if profiled_total else 1.0
-    class_ms = {name: us * scale / steps / 1000 for name, us in class_us.items()}
+    taped_ms = {name: us / steps / 1000 for name, us in taped_us.items()}
+    left_ms = max(wall_ms - sum(taped_ms.values()), 0.0)
+    profiled_ms = sum(outside_us.values()) / steps / 1000
+    scale = min(1.0, left_ms / profiled_ms) if profiled_ms else 1.0
+    class_ms = {name: taped_ms[name] + us * scale / steps / 1000
+                for name, us in outside_us.items()}
     return StepProfile(label, wall_ms, class_ms)
 
 
