@@ -214,6 +214,5 @@ class DecodeTapes:
             return None
         logger.info("decode tape for %d rows of %d requests (%d threads): %d calls, recorded "
                     "in %.2f s", inputs.size, inputs.num_requests, torch.get_num_threads(),
-                    len(tape.calls),
-                    time.perf_counter() - started)
+                    len(tape.calls), time.perf_counter() - started)
         return Taped(inputs, tape, output)
