@@ -22,10 +22,12 @@ from engine.core import choose_device
 from engine.platform.cpu import choose_dtype
 
 
-def run_batches(model, tokenizer, prompts: list[str], batch: int, output_len: int) -> float:
-    """Output tokens per second over all prompts in batches of `batch`."""
+def run_batches(model, tokenizer, prompts: list[str], batch: int, output_len: int,
+                max_batches: int | None = None) -> float:
+    """Output tokens per second over the prompts in batches of `batch` (the first
+    `max_batches` batches when set)."""
     generated, started = 0, time.perf_counter()
-    for first in range(0, len(prompts), batch):
+    for first in list(range(0, len(prompts), batch))[:max_batches]:
         inputs = tokenizer(prompts[first:first + batch], return_tensors="pt",
                            padding=True).to(model.device)
         with torch.inference_mode():
@@ -45,6 +47,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=100)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-batches", type=int, default=None,
+                        help="at most this many batches per size (batch 1 of 256 prompts "
+                             "is 256 sequential generates)")
     args = parser.parse_args()
 
     import transformers
@@ -69,7 +74,7 @@ def main() -> None:
           f"{args.output_len} tokens forced\n")
     print("| batch | output tok/s |\n|--:|--:|")
     for batch in (int(size) for size in args.batch.split(",") if size):
-        rate = run_batches(model, tokenizer, prompts, batch, args.output_len)
+        rate = run_batches(model, tokenizer, prompts, batch, args.output_len, args.max_batches)
         print(f"| {batch} | {rate:.1f} |", flush=True)
 
 

@@ -52,7 +52,8 @@ def test_prefill_logits_on_the_device_match_transformers(dtype: torch.dtype,
                                                          tmp_path: Path) -> None:
     hf_model = build_tiny_hf_model()
     hf_model.save_pretrained(tmp_path / "tiny")
-    core = make_core(str(tmp_path / "tiny"), device=DEVICE.type, dtype=str(dtype).split(".")[1])
+    core = make_core(str(tmp_path / "tiny"), device=DEVICE.type, num_kv_blocks=4,
+                     dtype=str(dtype).split(".")[1])
     assert core.device.type == DEVICE.type
     prompt = [(7 * i + 3) % 250 + 3 for i in range(40)]
     reference = hf_model.to(DEVICE, dtype).eval()
