@@ -59,8 +59,11 @@ def build_tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: A
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }
     config_class, model_class = config_classes[model_type]
+    settings = {**TINY_LLAMA, **overrides}
+    if settings.get("attn_logit_softcapping"):  # SDPA drops the cap (transformers 5.17 took it)
+        settings["attn_implementation"] = "eager"
     torch.manual_seed(seed)
-    model = model_class(config_class(**{**TINY_LLAMA, **overrides}))
+    model = model_class(config_class(**settings))
     randomize_weights(model, seed)
     return model.float().eval()
 
