@@ -66,8 +66,11 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for key, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
-                module._parameters[key] = nn.Parameter(torch.empty_like(param, device=device),
-                                                       requires_grad=False)
+                # torch.empty, not empty_like: a meta tensor's empty_like goes through torch._refs,
+                # whose first use imports sympy (~0.6 s of every start)
+                module._parameters[key] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device),
+                    requires_grad=False)
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, CheckpointTensor]],
