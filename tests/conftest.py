@@ -46,9 +46,21 @@ def keyed_default_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """launch.py on the default model with no flags at all, shared by the e2e modules that
+    test the defaults (test_tools_e2e, test_batch_invariant_e2e: one start instead of two)."""
+    from tests.launched_server import LaunchedServer
+
+    launched = LaunchedServer([]).start(tmp_path_factory.mktemp("logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+
+
+@pytest.fixture(scope="session")
 def float32_default_server(tmp_path_factory):
     """launch.py on the default model in fp32, shared by the e2e modules that need nothing
-    else (test_e2e, test_openai_e2e, test_utf8_e2e: one start instead of three)."""
+    else (test_e2e, test_openai_e2e, test_utf8_e2e, and tensor parallelism's one-rank answer:
+    one start instead of four)."""
     from tests.launched_server import LaunchedServer
 
     launched = LaunchedServer(["--dtype", "float32"]).start(tmp_path_factory.mktemp("logs"))

@@ -65,13 +65,6 @@ def test_seeded_answers_do_not_depend_on_what_shares_the_steps(server: LaunchedS
     assert together[:len(PROMPTS)] == alone, "answers changed beside 24 other requests"
 
 
-@pytest.fixture(scope="module")
-def default_server(tmp_path_factory: pytest.TempPathFactory):
-    launched = LaunchedServer([]).start(tmp_path_factory.mktemp("default-logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
-
-
 def test_by_default_a_prefix_hit_does_not_change_a_greedy_answer(
     default_server: LaunchedServer,
 ) -> None:

@@ -137,20 +137,21 @@ def tp_worker_pid(server: LaunchedServer) -> int:
 
 @pytest.mark.e2e
 async def test_launch_with_tp2_says_what_tp1_says(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path_factory: pytest.TempPathFactory, float32_default_server: LaunchedServer) -> None:
     body = {"messages": [{"role": "user", "content": "Name three primary colors."}],
             "max_tokens": 24, "temperature": 0}
-    texts = []
-    for size in ("1", "2"):
-        server = LaunchedServer(["--dtype", "float32", "--tensor-parallel-size", size])
-        with server.start(tmp_path_factory.mktemp("logs")):
-            if size == "2":
-                tp_worker_pid(server)  # rank 1 runs
-            async with aiohttp.ClientSession() as http, http.post(
-                    server.base_url + "/v1/chat/completions", json=body) as response:
-                assert response.status == 200
-                texts.append((await response.json())["choices"][0]["message"]["content"])
-    assert texts[0] == texts[1] and texts[0]
+
+    async def answer(server: LaunchedServer) -> str:
+        async with aiohttp.ClientSession() as http, http.post(
+                server.base_url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            return (await response.json())["choices"][0]["message"]["content"]
+
+    one_rank = await answer(float32_default_server)  # the same flags, one rank
+    server = LaunchedServer(["--dtype", "float32", "--tensor-parallel-size", "2"])
+    with server.start(tmp_path_factory.mktemp("logs")):
+        tp_worker_pid(server)  # rank 1 runs
+        assert await answer(server) == one_rank and one_rank
 
 
 @pytest.mark.e2e

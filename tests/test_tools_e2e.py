@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -38,10 +37,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    launched = LaunchedServer([]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+def server(default_server: LaunchedServer) -> LaunchedServer:
+    return default_server
 
 
 @pytest.fixture(scope="module")
