@@ -60,7 +60,8 @@ def build_tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: A
     }
     config_class, model_class = config_classes[model_type]
     settings = {**TINY_LLAMA, **overrides}
-    if settings.get("attn_logit_softcapping"):  # SDPA drops the cap (transformers 5.17 took it)
+    if settings.get("attn_logit_softcapping"):
+        # SDPA has no soft cap, and transformers 5.17 builds Gemma 2 with it (5.25 refuses)
         settings["attn_implementation"] = "eager"
     torch.manual_seed(seed)
     model = model_class(config_class(**settings))
