@@ -2,10 +2,11 @@
 in-process, greedy, every answer forced to the full output length.
 
     python -m bench.hf_generate [--model DIR] [--dtype auto] [--device auto]
-        [--batch 1,32,64] [--num-prompts 64] [--output-len 128]
+        [--batch 1,32,64] [--num-prompts 64] [--output-len 128] [--max-batches N]
 
 Each batch size runs the same prompts (chat template applied, left-padded) in consecutive
-batches of that size; output tok/s = generated tokens / wall time of all batches. What
+batches of that size (the first N of them with --max-batches); output tok/s = generated
+tokens / wall time of those batches. What
 `bench.compare` reports for servers at concurrency c, this reports for batch c.
 """
 
