@@ -10,8 +10,9 @@
 #     configs (a ~1B Llama shape, SmolLM2-135M's);
 #   - then per model: W1 served through launch.py with streaming requests at c=1 and at
 #     GPU_CHECK_CONCURRENCY (bench.compare), transformers' static `generate` at batch 1 and at
-#     the highest concurrency (bench.hf_generate), W1 offline (bench.offline).
-# Every row's time limit is capped by what is left of GPU_CHECK_SECONDS (default 500): a row
+#     the highest concurrency (bench.hf_generate), W1 offline (bench.offline); for the first
+#     model, which kernels a decode step runs and for how long (bench.gpu_step_profile).
+# Every row's time limit is capped by what is left of GPU_CHECK_SECONDS (default 540): a row
 # that would start with under 20 s left is skipped, so the whole check fits one device call.
 # Everything lands in $OUT (default /tmp/loom-gpu-check): logs, JSON, table.md.
 #
@@ -28,7 +29,7 @@ PROMPTS="${GPU_CHECK_PROMPTS:-256}"
 C1_PROMPTS="${GPU_CHECK_C1_PROMPTS:-16}"
 CONCURRENCY="${GPU_CHECK_CONCURRENCY:-64,256}"
 OUTPUT_LEN="${GPU_CHECK_OUTPUT_LEN:-128}"
-BUDGET="${GPU_CHECK_SECONDS:-500}"
+BUDGET="${GPU_CHECK_SECONDS:-540}"
 OUT="${OUT:-/tmp/loom-gpu-check}"
 MODEL_DIR="${GPU_CHECK_MODEL_DIR:-$OUT/models}"
 mkdir -p "$OUT"
@@ -106,6 +107,10 @@ for model in $MODELS; do
             --launch-args="--device $DEVICE" --log-dir "$OUT/launch-$model-c$levels" \
             --save-json "$OUT/w1-$model-c$levels.json" --output "$OUT/w1-$model-c$levels.md"
     done
+    if [ "$model" = "${MODELS%% *}" ]; then  # the first model's kernels, graphs and eager
+        row "step profile $model" 120 "$PY" -m bench.gpu_step_profile --model "$dir" \
+            --device "$DEVICE" --batch "1,64" --steps 20
+    fi
     row "transformers generate $model" 180 "$PY" -m bench.hf_generate --model "$dir" \
         --device "$DEVICE" --batch "1,$top" --max-batches "$C1_PROMPTS" \
         --num-prompts "$PROMPTS" --output-len "$OUTPUT_LEN"
@@ -125,4 +130,6 @@ for model in $MODELS; do
     [ -f "$log" ] && { echo; echo "transformers, $model:"; grep '^|' "$log"; }
     log="$OUT/W1_offline_$model.log"
     [ -f "$log" ] && { echo; echo "W1 offline, $model:"; grep '^|' "$log"; }
+    log="$OUT/step_profile_$model.log"
+    [ -f "$log" ] && { echo; echo "step profile, $model:"; grep -v -i warn "$log" | cut -c1-150; }
 done
