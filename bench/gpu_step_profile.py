@@ -13,15 +13,15 @@ of GPU time, 0.53 of it the Triton attention kernel.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.profile_step import start_decoding
 from common.config import EngineConfig
-from common.protocol import AddRequest
-from common.sampling import SamplingParams
 from engine.core import EngineCore
 
 WARM_UP_STEPS = 10
@@ -32,21 +32,12 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decoding_core(model: str, device: str, eager: bool, batch: int, context: int,
-                  steps: int) -> EngineCore:
+def decoding_core(model: str, device: str, eager: bool, batch: int,
+                  context: int) -> EngineCore:
     """An engine whose `batch` requests have prefilled `context` tokens and decode on."""
     core = EngineCore(EngineConfig(model=model, device=device, enforce_eager=eager,
                                    kv_cache_memory=2 * 1024**3))
-    params = SamplingParams(max_tokens=WARM_UP_STEPS + 2 * steps + 8, temperature=0.0,
-                            ignore_eos=True)
-    for index in range(batch):
-        prompt = [5 + (index + position) % 900 for position in range(context)]
-        core.add_request(AddRequest(f"profile-{index}", prompt, params, 0.0))
-    while any(not request.num_output_tokens for request in core.scheduler.running) \
-            or core.scheduler.waiting:
-        core.step()  # every prompt prefilled: from here on the steps are decodes
-    for _ in range(WARM_UP_STEPS):
-        core.step()
+    start_decoding(core, batch, context, random.Random(0), WARM_UP_STEPS)
     return core
 
 
@@ -85,8 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     for eager in (False, True):
         for batch in (int(size) for size in args.batch.split(",") if size):
-            core = decoding_core(args.model, args.device, eager, batch, args.context,
-                                 args.steps)
+            core = decoding_core(args.model, args.device, eager, batch, args.context)
             wall = median_step_ms(core, args.device, args.steps)
             label = "eager" if eager else "default (graphs on CUDA)"
             print(f"\n=== {label}, batch {batch}, {args.context}-token contexts: "

@@ -251,21 +251,30 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(length)]
 
 
-def decode_profile(core: EngineCore, label: str, batch: int, context: int, steps: int,
-                   rng: random.Random) -> StepProfile:
+def start_decoding(core: EngineCore, batch: int, context: int, rng: random.Random,
+                   warm_up_steps: int = 3) -> list[str]:
+    """`batch` greedy requests of `context` random tokens, stepped past their prefills and
+    `warm_up_steps` decodes: from here on every step is a decode of each. Their ids."""
     vocab = core.model.config.vocab_size
     greedy = SamplingParams(max_tokens=core.max_model_len - context, temperature=0.0,
                             ignore_eos=True)
-    for index in range(batch):
-        core.add_request(AddRequest(f"decode-{index}", random_prompt(rng, context, vocab),
-                                    greedy, time.time()))
+    ids = [f"decode-{index}" for index in range(batch)]
+    for request_id in ids:
+        core.add_request(AddRequest(request_id, random_prompt(rng, context, vocab), greedy,
+                                    time.time()))
     while any(request.is_prefilling for request in core.scheduler.running) \
             or core.scheduler.waiting:
         core.step()
-    for _ in range(3):  # warm-up
+    for _ in range(warm_up_steps):
         core.step()
+    return ids
+
+
+def decode_profile(core: EngineCore, label: str, batch: int, context: int, steps: int,
+                   rng: random.Random) -> StepProfile:
+    ids = start_decoding(core, batch, context, rng)
     result = profile_steps(core, label, core.step, steps)
-    core.abort_requests([f"decode-{index}" for index in range(batch)])
+    core.abort_requests(ids)
     return result
 
 

@@ -9,7 +9,7 @@ from tests.model_fixtures import build_tiny_llama_dir
 
 def test_profiled_steps_are_decodes_of_every_request(tmp_path) -> None:
     core = decoding_core(build_tiny_llama_dir(tmp_path), "cpu", eager=True, batch=3,
-                         context=40, steps=4)
+                         context=40)
     assert not core.scheduler.waiting and len(core.scheduler.running) == 3
     decoded = [request.num_output_tokens for request in core.scheduler.running]
     assert min(decoded) > 1  # past the prefill, every row a decode
