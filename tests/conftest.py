@@ -13,7 +13,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET",
                       "0" if os.environ.get("LOOM_TRITON_NATIVE") == "1" else "1")
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -33,27 +33,30 @@ async def harness(tokenizer: Any) -> AsyncIterator[FrontendHarness]:
 
 
 
+def shared_server(tmp_path_factory, flags: list[str]) -> Iterator[Any]:
+    """launch.py on the default model with `flags`, for a session-scoped fixture: started on
+    first use, stopped (cleanly) at the session's end."""
+    from tests.launched_server import LaunchedServer
+
+    launched = LaunchedServer(flags).start(tmp_path_factory.mktemp("logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+
+
 @pytest.fixture(scope="session")
 def keyed_default_server(tmp_path_factory):
     """launch.py on the default model with an API key, shared by the Messages and Responses
     e2e modules (one start instead of two)."""
     from tests.agent_apis import API_KEY
-    from tests.launched_server import LaunchedServer
 
-    launched = LaunchedServer(["--api-key", API_KEY]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+    yield from shared_server(tmp_path_factory, ["--api-key", API_KEY])
 
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory):
     """launch.py on the default model with no flags at all, shared by the e2e modules that
     test the defaults (test_tools_e2e, test_batch_invariant_e2e: one start instead of two)."""
-    from tests.launched_server import LaunchedServer
-
-    launched = LaunchedServer([]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+    yield from shared_server(tmp_path_factory, [])
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +64,4 @@ def float32_default_server(tmp_path_factory):
     """launch.py on the default model in fp32, shared by the e2e modules that need nothing
     else (test_e2e, test_openai_e2e, test_utf8_e2e, and tensor parallelism's one-rank answer:
     one start instead of four)."""
-    from tests.launched_server import LaunchedServer
-
-    launched = LaunchedServer(["--dtype", "float32"]).start(tmp_path_factory.mktemp("logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+    yield from shared_server(tmp_path_factory, ["--dtype", "float32"])
