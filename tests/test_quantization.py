@@ -220,21 +220,21 @@ def test_the_code_kernels_give_a_row_the_same_bits_whatever_shares_the_call(kind
     dtype = torch.bfloat16 if kind.endswith("bf16") else torch.float32
     if kind.startswith("int4"):
         layer: QuantizedLinear = Int4Linear.from_codes(
-            torch.randint(0, 16, (48, 96), generator=generator, dtype=torch.uint8),
-            torch.rand(48, 3, generator=generator), torch.randn(48, 3, generator=generator),
+            torch.randint(0, 16, (48, 320), generator=generator, dtype=torch.uint8),
+            torch.rand(48, 10, generator=generator), torch.randn(48, 10, generator=generator),
             None, dtype)
         assert layer.serves_float32 or dtype == torch.bfloat16
     else:
-        layer = Q8_0Linear(torch.randint(-127, 128, (48, 96), generator=generator,
+        layer = Q8_0Linear(torch.randint(-127, 128, (48, 320), generator=generator,
                                          dtype=torch.int8),
-                           torch.rand(48, 3, generator=generator), None, dtype)
-    row = torch.randn(1, 96, generator=generator).to(dtype)
+                           torch.rand(48, 10, generator=generator), None, dtype)
+    row = torch.randn(1, 320, generator=generator).to(dtype)
     alone = layer.product(row)
     threads = torch.get_num_threads()
     try:
         for rows, position, thread_count in ((2, 1, 1), (5, 4, threads), (13, 6, 1), (70, 0, 2),
                                              (70, 69, threads)):
-            batch = torch.randn(rows, 96, generator=generator).to(dtype)
+            batch = torch.randn(rows, 320, generator=generator).to(dtype)
             batch[position] = row[0]
             torch.set_num_threads(thread_count)
             assert torch.equal(layer.product(batch)[position], alone[0]), (rows, position)

@@ -37,12 +37,13 @@ using Bytes = __m512i;  // a group's 16 bytes, one per 32-bit lane
 inline Bytes load_bytes(const uint8_t* group, int /*half: one holds the group*/) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
 }
-// Codes part·16 .. part·16 + 15 of a group (low nibbles, then high), times its scale.
-inline Vec scaled_codes(Bytes bytes, int part, Vec scale) {
+// Codes part·16 .. part·16 + 15 of a group (low nibbles, then high).
+inline Vec codes_of(Bytes bytes, int part) {
   const __m512i codes = part == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f))
                                   : _mm512_srli_epi32(bytes, 4);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale);
+  return _mm512_cvtepi32_ps(codes);
 }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 constexpr int kHalves = 1;
 #elif defined(__AVX2__)
 using Vec = __m256;
@@ -58,39 +59,41 @@ inline Bytes load_bytes(const uint8_t* group, int half) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 8 * half)));
 }
 // Codes part·8 .. part·8 + 7 of a group, from the bytes of half part % 2 (low nibbles for
-// parts 0-1, high for 2-3), times its scale.
-inline Vec scaled_codes(Bytes bytes, int part, Vec scale) {
+// parts 0-1, high for 2-3).
+inline Vec codes_of(Bytes bytes, int part) {
   const __m256i codes = part < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f))
                                  : _mm256_srli_epi32(bytes, 4);
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(codes), scale);
+  return _mm256_cvtepi32_ps(codes);
 }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 constexpr int kHalves = 2;
 #endif
 
 #if defined(__AVX2__) || defined(__AVX512F__)
-// Σ_k q·s·x for kChannels channels (codes q and scales s one channel's worth apart) and kRows
-// rows of x; out[c * kRows + r]. Each row's sum runs in the same order for any kRows.
+// Σ_g s_g · Σ_{k in g} q·x for kChannels channels (codes q and scales s one channel's worth
+// apart) and kRows rows of x; out[c * kRows + r]. A group's products are summed first and then
+// scaled once into the row's total: one accumulator step a group, so the sums' dependency chain
+// is short. Each row's sum runs in the same order for any kRows.
 template <int kChannels, int kRows>
 void block(const float* x, int64_t k, const uint8_t* q, const float* s, float* out) {
+  constexpr int kParts = kGroup / kLanes;
   const int64_t groups = k / kGroup;
   Vec acc[kChannels][kRows];
   for (int c = 0; c < kChannels; ++c)
     for (int r = 0; r < kRows; ++r) acc[c][r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
-    Bytes bytes[kChannels][kHalves];
-    Vec scale[kChannels];
     for (int c = 0; c < kChannels; ++c) {
-      for (int half = 0; half < kHalves; ++half)
-        bytes[c][half] = load_bytes(q + c * k / 2 + g * 16, half);
-      scale[c] = vset(s[c * groups + g]);
-    }
-    for (int part = 0; part < kGroup / kLanes; ++part) {
-      Vec w[kChannels];
-      for (int c = 0; c < kChannels; ++c)
-        w[c] = scaled_codes(bytes[c][part % kHalves], part, scale[c]);
+      Vec w[kParts];
+      for (int half = 0; half < kHalves; ++half) {
+        const Bytes bytes = load_bytes(q + c * k / 2 + g * 16, half);
+        for (int part = half; part < kParts; part += kHalves) w[part] = codes_of(bytes, part);
+      }
+      const Vec scale = vset(s[c * groups + g]);
       for (int r = 0; r < kRows; ++r) {
-        const Vec xv = vload(x + r * k + g * kGroup + part * kLanes);
-        for (int c = 0; c < kChannels; ++c) acc[c][r] = vfma(w[c], xv, acc[c][r]);
+        const float* xg = x + r * k + g * kGroup;
+        Vec dot = vmul(w[0], vload(xg));
+        for (int part = 1; part < kParts; ++part) dot = vfma(w[part], vload(xg + part * kLanes), dot);
+        acc[c][r] = vfma(dot, scale, acc[c][r]);
       }
     }
   }
@@ -139,6 +142,20 @@ void many_rows_block(const float* x, int64_t rows, int64_t k, const uint8_t* q, 
   }
 }
 
+// Σ a·b over n values, in one order (eight lanes, then the rest).
+float dot(const float* a, const float* b, int64_t n) {
+  float total = 0.f;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  __m256 lanes = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8)
+    lanes = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lanes);
+  total = sum8(lanes);
+#endif
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
 struct Problem {
   const float* x;
   int64_t rows;
@@ -169,9 +186,7 @@ void channels(const Problem& p, int64_t first, int count, int64_t row, int64_t c
     const float* offsets = p.o + (first + c) * groups;
     for (int64_t r = 0; r < count_rows; ++r) {
       const float* sums = p.group_sums + (row + r) * groups;
-      float shift = 0.f;
-      for (int64_t g = 0; g < groups; ++g) shift += offsets[g] * sums[g];
-      p.y[(row + r) * p.n + first + c] = out[c * count_rows + r] + shift;
+      p.y[(row + r) * p.n + first + c] = out[c * count_rows + r] + dot(offsets, sums, groups);
     }
   }
 }
