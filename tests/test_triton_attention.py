@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="triton is an optional dependency (pip inst
 
 from engine.attention import triton_kernels as triton_attention  # noqa: E402
 from engine.attention.reference import reference_attention, write_kv  # noqa: E402
-from engine.attention.triton_backend import TritonBackend, query_rows  # noqa: E402
+from engine.attention.triton_backend import TritonBackend, query_rows, triton_supports  # noqa: E402
 from tests.test_attention import Case, build, expected, make_inputs  # noqa: E402
 
 
@@ -44,6 +44,8 @@ TRITON_CASES = [
     Case("gqa3", ((1, 17), (6, 22)), num_heads=6, num_kv_heads=2),
     Case("gqa4_dim128", ((1, 17), (1, 3), (6, 22)), num_heads=8, num_kv_heads=2, head_dim=128),
     Case("gqa3_dim128", ((1, 33), (5, 5)), num_heads=6, num_kv_heads=2, head_dim=128),
+    # contexts of several tiles (TILE_TOKENS), ending on and just past a tile's edge
+    Case("tiles", ((1, 64), (1, 65), (1, 130), (20, 150))),
 ]
 
 
@@ -86,10 +88,27 @@ def test_paged_attention_refuses_heads_that_do_not_group() -> None:
                                          metadata.block_tables, rows, 0.125)
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(7, None), (16, None), (None, 2.0), (5, 2.0)])
-@pytest.mark.parametrize("case", [case for case in TRITON_CASES
-                                  if case.name in ("decode", "mixed", "mixed_block4", "gqa3")],
-                         ids=lambda case: case.name)
+WINDOWED_CASES = [case for case in TRITON_CASES
+                  if case.name in ("decode", "mixed", "mixed_block4", "gqa3")]
+WINDOWS = [(7, None), (16, None), (None, 2.0), (5, 2.0)]
+TILES_CASE = next(case for case in TRITON_CASES if case.name == "tiles")
+
+
+def test_heads_below_the_dot_tile_go_to_another_backend() -> None:
+    case = Case("small_heads", ((1, 4),), head_dim=8)
+    inputs = make_inputs(case, torch.float32)
+    metadata = build(inputs, TritonBackend(case.block_size, case.num_kv_heads))
+    assert not triton_supports(8, case.block_size) and triton_supports(16, case.block_size)
+    with pytest.raises(ValueError, match="head_dim at least 16"):
+        triton_attention.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache,
+                                         metadata.block_tables,
+                                         query_rows(metadata, torch.device("cpu")), 0.125)
+
+
+@pytest.mark.parametrize(("case", "window", "softcap"), [
+    *((case, window, softcap) for case in WINDOWED_CASES for window, softcap in WINDOWS),
+    (TILES_CASE, 70, None), (TILES_CASE, 100, 2.0)],
+    ids=lambda value: getattr(value, "name", str(value)))
 def test_windows_and_soft_caps_match_the_reference(case: Case, window: int | None,
                                                    softcap: float | None) -> None:
     inputs = make_inputs(case, torch.float32, seed=7)

@@ -11,7 +11,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, causal_rows
-from engine.attention.triton_kernels import QueryRows
+from engine.attention.triton_kernels import QueryRows, supported_shape
 from engine.attention.triton_kernels import paged_attention as triton_attention
 from engine.attention.triton_kernels import write_kv as triton_write_kv
 from engine.platform.host_copy import device_tensor
@@ -45,9 +45,8 @@ class TritonBackend(AttentionBackend):
 
 
 def triton_supports(head_dim: int, block_size: int) -> bool:
-    """triton installed, power-of-two head dim and block size (`tl.arange`)."""
-    return (triton_installed() and not head_dim & (head_dim - 1)
-            and not block_size & (block_size - 1))
+    """triton installed, and a head and block the kernel takes (`supported_shape`)."""
+    return triton_installed() and supported_shape(head_dim, block_size)
 
 
 @functools.cache
