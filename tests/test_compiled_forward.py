@@ -77,7 +77,7 @@ print(json.dumps(dict(counters["inductor"])))
 def test_a_restarted_engine_loads_its_graphs_from_the_compile_cache(tmp_path) -> None:
     """A warm start: the graph holds no frozen weights, so inductor's FX graph cache (under
     $LOOM_CACHE) stores it (int4: every linear is an opaque `loom::linear` call, any CPU)."""
-    model_dir = build_tiny_llama_dir(tmp_path)
+    model_dir = build_tiny_llama_dir(tmp_path, num_hidden_layers=1)
     env = {name: value for name, value in os.environ.items()
            if name != "TORCHINDUCTOR_CACHE_DIR"}
     # Loom's own C++ kernels come built from the suite's cache (~40 s to build cold here):

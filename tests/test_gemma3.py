@@ -5,13 +5,9 @@ gemma-3-270m` serves it (a base model: completions; chat needs --chat-template).
 from __future__ import annotations
 
 from pathlib import Path
-from unittest import mock
 
-import gguf
-import numpy as np
 import pytest
 import torch
-from gguf.gguf_reader import ReaderField
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.default_model import default_cache_dir, resolve_model
@@ -22,6 +18,7 @@ from tests.engine_helpers import (
     make_core,
     run_to_completion,
 )
+from tests.gguf_trim import without_vocabulary
 from tests.launched_server import LaunchedServer
 
 PROMPTS = [
@@ -52,22 +49,13 @@ def tokenizer(gemma_dir: str):
 
 
 @pytest.fixture(scope="module")
-def reference(gemma_file: Path) -> torch.nn.Module:
-    """transformers' own Gemma 3 on the file's dequantized weights, in fp32. One parse of the
-    file serves its config and its weights (transformers parses twice), and the model needs
-    none of the 262k-entry vocabulary but its size: its arrays are left out and the size
-    given as the architecture's `vocab_size` (transformers decodes every entry on each
-    parse: 15 -> 7.6 s)."""
-    reader = gguf.GGUFReader(gemma_file)
-    tokens = reader.fields.pop("tokenizer.ggml.tokens")
-    for name in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
-        reader.fields.pop(name, None)
-    reader.fields["gemma3.vocab_size"] = ReaderField(
-        0, "gemma3.vocab_size", [np.array([len(tokens.data)], dtype=np.uint32)], [0],
-        [gguf.GGUFValueType.UINT32])
-    with mock.patch("gguf.GGUFReader", lambda *args, **kwargs: reader):
-        return AutoModelForCausalLM.from_pretrained(
-            str(gemma_file.parent), gguf_file=gemma_file.name, dtype=torch.float32).eval()
+def reference(gemma_file: Path, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """transformers' own Gemma 3 on the file's dequantized weights, in fp32, read from a copy
+    without the 262k-entry vocabulary's arrays (tests/gguf_trim.py: gguf's reader parses
+    them in ~18 s; the model needs only their number)."""
+    trimmed = without_vocabulary(gemma_file, tmp_path_factory.mktemp("gemma") / gemma_file.name)
+    return AutoModelForCausalLM.from_pretrained(
+        str(trimmed.parent), gguf_file=trimmed.name, dtype=torch.float32).eval()
 
 
 def test_greedy_fp32_equals_transformers_on_twenty_prompts(gemma_dir: str, tokenizer,
