@@ -8,22 +8,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.platform.huge_pages import HUGE_PAGE_BYTES, populate, zeros_on_huge_pages
+from engine.platform import huge_pages
+from engine.platform.huge_pages import HUGE_PAGE_BYTES, populate, prefault, zeros_on_huge_pages
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def mapping_kib(address: int, field: str) -> int:
     """A field (Rss, AnonHugePages) of the mapping holding `address`, from /proc/self/smaps."""
+    return sum(mappings_kib([address], field).values())
+
+
+def mappings_kib(addresses: list[int], field: str) -> dict[int, int]:
+    """The field of each mapping holding one of `addresses` (adjacent anonymous mappings
+    merge into one), by the mapping's start."""
+    found: dict[int, int] = {}
     mapping_start = mapping_end = 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            mapping_start, mapping_end = start, end
-        elif head == f"{field}:" and mapping_start <= address < mapping_end:
-            return int(line.split()[1])
-    return 0
+            mapping_start, mapping_end = (int(part, 16) for part in head.split("-"))
+        elif head == f"{field}:" and any(mapping_start <= address < mapping_end
+                                         for address in addresses):
+            found[mapping_start] = int(line.split()[1])
+    return found
 
 
 def test_a_large_cache_is_zeroed_aligned_and_shaped() -> None:
@@ -69,3 +77,30 @@ def test_populate_touches_the_first_bytes_and_keeps_the_values() -> None:
     resident = mapping_kib(cache.data_ptr(), "Rss")
     assert 8 << 10 <= resident < 16 << 10
     assert cache[5].item() == 7 and cache[:8 << 20].sum().item() == 7
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")
+def test_prefault_maps_the_first_bytes_of_each_cache_in_a_thread_and_keeps_the_values(
+        ) -> None:
+    caches = [zeros_on_huge_pages((64 << 20,), torch.uint8, torch.device("cpu"))
+              for _ in range(2)]
+    caches[1][5] = 7
+    thread = prefault(caches, 8 << 20)
+    assert thread is not None  # Linux 5.14 and later: this machine's kernels
+    caches[0][3] = 9  # the engine may write meanwhile: nothing of the prefault writes
+    thread.join(timeout=60)
+    resident = sum(mappings_kib([cache.data_ptr() for cache in caches], "Rss").values())
+    assert 16 << 10 <= resident < 24 << 10
+    assert caches[0][3].item() == 9 and caches[1][5].item() == 7
+    assert caches[0].sum().item() == 9 and caches[1].sum().item() == 7
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")
+def test_without_the_kernels_help_prefault_touches_the_pages_before_returning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huge_pages, "libc_madvise", lambda: None)
+    cache = zeros_on_huge_pages((64 << 20,), torch.uint8, torch.device("cpu"))
+    cache[5] = 7
+    assert prefault([cache], 8 << 20) is None
+    assert 8 << 10 <= mapping_kib(cache.data_ptr(), "Rss") < 16 << 10
+    assert cache.sum().item() == 7

@@ -25,7 +25,7 @@ from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
 from engine.layers.pinned_attributes import pin_attributes
 from engine.platform.host_copy import int_tensor
-from engine.platform.huge_pages import populate, zeros_on_huge_pages
+from engine.platform.huge_pages import prefault, zeros_on_huge_pages
 from engine.pooling.pooler import PoolSpan, pool_rows
 from engine.scheduler import ScheduledChunk
 
@@ -176,12 +176,11 @@ class ModelRunner:
         storage = [(zeros_on_huge_pages(shape, cache_dtype, device),
                     zeros_on_huge_pages(shape, cache_dtype, device))
                    for _ in range(self.layout.group_size)]
-        # The pool hands out low block ids first: their pages are touched now, not mid-step.
+        # The pool hands out low block ids first: their pages are mapped now, not mid-step.
         caches = list(itertools.chain.from_iterable(storage))
         block_bytes = caches[0][0].numel() * caches[0].element_size()
         first_blocks = min(num_blocks + 1, PREFAULT_BYTES // (block_bytes * len(caches)))
-        for cache in caches:
-            populate(cache, first_blocks * block_bytes)
+        self.prefaulting = prefault(caches, first_blocks * block_bytes)
         self.kv_caches = [storage[self.layout.place(layer)[1]]
                           for layer in range(model.num_layers)]
         if is_quantized(cache_dtype):
