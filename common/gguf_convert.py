@@ -304,7 +304,10 @@ def dequantize_tensor(tensor: Any, config: dict[str, Any]) -> list[tuple[str, np
         return []
     architecture = BY_MODEL_TYPE[config.get("model_type", "llama")]
     name = hf_tensor_name(tensor.name, architecture.model_type)
-    weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    if tensor.tensor_type.name == "Q8_0":
+        weight = dequantize_q8_0(tensor.data)
+    else:
+        weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     weight = weight.reshape([int(dim) for dim in reversed(tensor.shape)])
     if architecture.norm_offset and name.endswith("norm.weight"):
         weight = weight - np.float32(architecture.norm_offset)
@@ -312,6 +315,16 @@ def dequantize_tensor(tensor: Any, config: dict[str, Any]) -> list[tuple[str, np
         return [(name.format(expert), np.ascontiguousarray(weight[expert]))
                 for expert in range(weight.shape[0])]
     return [(name, np.ascontiguousarray(unpermute_if_rotary(name, weight, config)))]
+
+
+def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """Q8_0 bytes (blocks of an fp16 scale and 32 int8 codes) as float32 codes x scale, the
+    same values as gguf's `dequantize` in one vectorized pass (gguf's runs chunk by chunk:
+    0.47 s of the default model's start for its 28M-value embedding)."""
+    blocks = np.ascontiguousarray(data).reshape(-1, 34)
+    scales = np.ascontiguousarray(blocks[:, :2]).view(np.float16).astype(np.float32)
+    codes = blocks[:, 2:].view(np.int8).astype(np.float32)
+    return (codes * scales).reshape(*data.shape[:-1], -1)
 
 
 def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:

@@ -23,7 +23,7 @@ import torch
 
 from bench.launched import REPO_ROOT
 from common.default_model import default_gguf_file
-from common.gguf_convert import unpermute_rotary
+from common.gguf_convert import dequantize_q8_0, unpermute_rotary
 from common.gguf_model import prepare_gguf
 from common.sockets import free_port
 from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
@@ -307,6 +307,18 @@ def test_every_common_tensor_type_loads_as_ggufs_own_dequantization(
                           np.concatenate([expected["ffn_gate"], expected["ffn_up"]]))
     assert isinstance(layer.mlp.down_proj, Int4Linear)
     assert not isinstance(layer.self_attn.qkv_proj, (Int4Linear, Q8_0Linear))
+
+
+def test_q8_0_dequantizes_to_ggufs_own_values_in_one_pass() -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(8)
+    data = random_tensor("Q8_0", 48, 96, rng)  # [rows, bytes of a row]
+    want = dequantize(data, gguf.GGMLQuantizationType.Q8_0)
+    got = dequantize_q8_0(data)
+    assert got.dtype == np.float32 and got.shape == want.shape == (48, 96)
+    assert np.array_equal(got, want)
 
 
 def test_q6_k_blocks_are_exactly_int8_codes_with_a_scale_per_16() -> None:
