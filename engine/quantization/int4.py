@@ -92,9 +92,11 @@ class Int4Linear(QuantizedLinear):
     def dequantized_weight(self) -> torch.Tensor:
         """(q - 8)·s + z in float32, with s and z as stored (rounded to the model's dtype)."""
         scales_and_zeros = self.scales_and_zeros.float()
-        scale = scales_and_zeros[..., 0].T.repeat_interleave(self.group_size, 1)
-        zero = scales_and_zeros[..., 1].T.repeat_interleave(self.group_size, 1)
-        return (self.codes().float() - INT4_ZERO_POINT) * scale + zero
+        scale = scales_and_zeros[..., 0].T.unsqueeze(-1)  # [N, groups, 1]
+        zero = scales_and_zeros[..., 1].T.unsqueeze(-1)
+        codes = self.codes().float()
+        grouped = codes.view(codes.shape[0], -1, self.group_size)
+        return ((grouped - INT4_ZERO_POINT) * scale + zero).view(codes.shape)
 
     def codes(self) -> torch.Tensor:
         """q [N, K]. On CPU the kernel's own unpacking recovers it: the identity times the

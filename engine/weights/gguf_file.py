@@ -56,6 +56,11 @@ class _Cursor:
             element_type, count = self.take("IQ")
             if element_type in _SCALAR_SIZES:
                 self.offset += count * _SCALAR_SIZES[element_type]
+            elif element_type == _STRING:  # a vocabulary: tens of thousands of strings
+                offset, buffer = self.offset, self.buffer
+                for _ in range(count):
+                    offset += 8 + struct.unpack_from("<Q", buffer, offset)[0]
+                self.offset = offset
             else:
                 for _ in range(count):
                     self.skip_value(element_type)
