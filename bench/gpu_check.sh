@@ -11,7 +11,8 @@
 #   - then per model: W1 served through launch.py with streaming requests at c=1 and at
 #     GPU_CHECK_CONCURRENCY (bench.compare), transformers' static `generate` at batch 1 and at
 #     the highest concurrency (bench.hf_generate), W1 offline (bench.offline); for the first
-#     model, which kernels a decode step runs and for how long (bench.gpu_step_profile).
+#     model, which kernels a decode step runs and for how long (bench.gpu_step_profile), and
+#     on CUDA the Triton attention kernel alone by tile (bench.triton_attention).
 # Every row's time limit is capped by what is left of GPU_CHECK_SECONDS (default 540): a row
 # that would start with under 20 s left is skipped, so the whole check fits one device call.
 # Everything lands in $OUT (default /tmp/loom-gpu-check): logs, JSON, table.md.
@@ -110,6 +111,8 @@ for model in $MODELS; do
     if [ "$model" = "${MODELS%% *}" ]; then  # the first model's kernels, graphs and eager
         row "step profile $model" 120 "$PY" -m bench.gpu_step_profile --model "$dir" \
             --device "$DEVICE" --batch "1,64" --steps 20
+        [ "$DEVICE" = cuda ] && row "attention kernel sweep" 60 "$PY" -m bench.triton_attention \
+            --shapes 32/8x64 --tiles 32,64,128 --warps 4 --repeats 10
     fi
     row "transformers generate $model" 180 "$PY" -m bench.hf_generate --model "$dir" \
         --device "$DEVICE" --batch "1,$top" --max-batches "$C1_PROMPTS" \
@@ -132,4 +135,6 @@ for model in $MODELS; do
     [ -f "$log" ] && { echo; echo "W1 offline, $model:"; grep '^|' "$log"; }
     log="$OUT/step_profile_$model.log"
     [ -f "$log" ] && { echo; echo "step profile, $model:"; grep -v -i warn "$log" | cut -c1-150; }
+    log="$OUT/attention_kernel_sweep.log"
+    [ -f "$log" ] && [ "$model" = "${MODELS%% *}" ] && { echo; echo "attention kernel:"; grep '^|' "$log"; }
 done
