@@ -14,11 +14,11 @@ import shutil
 import struct
 from pathlib import Path
 
-from engine.weights.gguf_file import DEFAULT_ALIGNMENT, GGUF_MAGIC, _Cursor
+from engine.weights.gguf_file import DEFAULT_ALIGNMENT, GGUF_MAGIC, Cursor
 
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
                     "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
-_UINT32, _STRING = 4, 8
+_UINT32 = 4
 
 
 def key_value(key: str, value_type: int, payload: bytes) -> bytes:
@@ -31,7 +31,7 @@ def without_vocabulary(source: Path, target: Path) -> Path:
     with open(source, "rb") as file:
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     assert buffer[:4] == GGUF_MAGIC, f"{source} is not a GGUF file"
-    cursor = _Cursor(buffer)
+    cursor = Cursor(buffer)
     cursor.offset = 4
     version, tensor_count, kv_count = cursor.take("IQQ")
     kept: list[bytes] = []

@@ -32,7 +32,9 @@ class GGUFTensor:
     data: np.ndarray  # [rows, row length] in its dtype, or [rows, bytes per row] if quantized
 
 
-class _Cursor:
+class Cursor:
+    """Reads a GGUF header's fields in order from `offset` (also tests/gguf_trim.py)."""
+
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
         self.offset = 0
@@ -84,7 +86,7 @@ def _read_tensors(path: Path) -> list[GGUFTensor]:
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     if buffer[:4] != GGUF_MAGIC:
         raise ValueError("no GGUF magic")
-    cursor = _Cursor(buffer)
+    cursor = Cursor(buffer)
     cursor.offset = 4
     version, tensor_count, kv_count = cursor.take("IQQ")
     if version not in (2, 3):
