@@ -72,8 +72,9 @@ constexpr int kHalves = 2;
 #if defined(__AVX2__) || defined(__AVX512F__)
 // Σ_g s_g · Σ_{k in g} q·x for kChannels channels (codes q and scales s one channel's worth
 // apart) and kRows rows of x; out[c * kRows + r]. A group's products are summed first and then
-// scaled once into the row's total: one accumulator step a group, so the sums' dependency chain
-// is short. Each row's sum runs in the same order for any kRows.
+// scaled once into the row's total: one multiply by the scale a group, not one per eight codes
+// (the kernel is bound by its arithmetic, not by memory). Each row's sum runs in the same order
+// for any kRows.
 template <int kChannels, int kRows>
 void block(const float* x, int64_t k, const uint8_t* q, const float* s, float* out) {
   constexpr int kParts = kGroup / kLanes;
