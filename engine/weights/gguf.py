@@ -35,6 +35,7 @@ from common.gguf_convert import (
     CONFIG_TENSORS,
     dequantize_tensor,
     hf_tensor_name,
+    q8_0_codes_and_scales,
     unpermute_if_rotary,
 )
 from engine.layers.linear import LinearBase
@@ -196,11 +197,8 @@ def q5_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
 def q8_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
     """(q int8 [N, K], d float32 [N, K/32]) of a Q8_0 tensor (blocks: fp16 d, 32 int8 codes),
     W = q·d."""
-    rows = stacked_rows(tensor)
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 2 + GGUF_BLOCK)
-    scale = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
-    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-    return q, scale
+    data = np.asarray(tensor.data, dtype=np.uint8)
+    return q8_0_codes_and_scales(data.reshape(stacked_rows(tensor), -1))
 
 
 def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
