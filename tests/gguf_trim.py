@@ -14,7 +14,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from engine.weights.gguf_file import DEFAULT_ALIGNMENT, GGUF_MAGIC, Cursor
+from engine.weights.gguf_file import GGUF_MAGIC, read_header
 
 TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
                     "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
@@ -30,41 +30,21 @@ def without_vocabulary(source: Path, target: Path) -> Path:
     """Write `target`, `source` less its tokenizer arrays plus the vocabulary's size."""
     with open(source, "rb") as file:
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-    assert buffer[:4] == GGUF_MAGIC, f"{source} is not a GGUF file"
-    cursor = Cursor(buffer)
-    cursor.offset = 4
-    version, tensor_count, kv_count = cursor.take("IQQ")
-    kept: list[bytes] = []
-    alignment, architecture, vocab_size = DEFAULT_ALIGNMENT, "", 0
-    for _ in range(kv_count):
-        start = cursor.offset
-        key = cursor.string()
-        (value_type,) = cursor.take("I")
-        value_start = cursor.offset
-        if key == "tokenizer.ggml.tokens":
-            vocab_size = cursor.take("IQ")[1]
-            cursor.offset = value_start
-        cursor.skip_value(value_type)
-        if key == "general.alignment":
-            (alignment,) = struct.unpack_from("<I", buffer, value_start)
-        if key == "general.architecture":
-            architecture = bytes(buffer[value_start + 8:cursor.offset]).decode()
-        if key not in TOKENIZER_ARRAYS:
-            kept.append(bytes(buffer[start:cursor.offset]))
+    header = read_header(buffer)
+    values = {pair.key: pair for pair in header.key_values}
+    vocab_size = struct.unpack_from("<IQ", buffer, values["tokenizer.ggml.tokens"].value_start)[1]
+    name = values["general.architecture"]
+    architecture = bytes(buffer[name.value_start + 8:name.end]).decode()
+    kept = [bytes(buffer[pair.start:pair.end]) for pair in header.key_values
+            if pair.key not in TOKENIZER_ARRAYS]
     kept.append(key_value(f"{architecture}.vocab_size", _UINT32,
                           struct.pack("<I", vocab_size)))
-    infos_start = cursor.offset
-    for _ in range(tensor_count):
-        cursor.string()
-        (num_dims,) = cursor.take("I")
-        cursor.take("Q" * num_dims + "IQ")
-    infos = bytes(buffer[infos_start:cursor.offset])
-    data_start = -(-cursor.offset // alignment) * alignment
-    header = struct.pack("<4sIQQ", GGUF_MAGIC, version, tensor_count, len(kept))
-    head = header + b"".join(kept) + infos
+    counts = struct.pack("<4sIQQ", GGUF_MAGIC, header.version, len(header.tensor_infos),
+                         len(kept))
+    head = counts + b"".join(kept) + bytes(buffer[header.infos_start:header.infos_end])
     with open(target, "wb") as out:
-        out.write(head + bytes(-len(head) % alignment))
+        out.write(head + bytes(-len(head) % header.alignment))
         with open(source, "rb") as data:
-            data.seek(data_start)
+            data.seek(header.data_start)
             shutil.copyfileobj(data, out, 16 * 1024**2)
     return target

@@ -32,8 +32,8 @@ class GGUFTensor:
     data: np.ndarray  # [rows, row length] in its dtype, or [rows, bytes per row] if quantized
 
 
-class Cursor:
-    """Reads a GGUF header's fields in order from `offset` (also tests/gguf_trim.py)."""
+class _Cursor:
+    """Reads a GGUF header's fields in order from `offset`."""
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
@@ -79,37 +79,74 @@ def read_tensors(path: Path) -> list[GGUFTensor]:
                          ) from exc
 
 
-def _read_tensors(path: Path) -> list[GGUFTensor]:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+@dataclass(slots=True)
+class KeyValue:
+    """Where one metadata pair lies: from its key's length (`start`) to `end`."""
 
-    with open(path, "rb") as file:
-        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    key: str
+    value_type: int
+    start: int
+    value_start: int
+    end: int
+
+
+@dataclass(slots=True)
+class Header:
+    version: int
+    key_values: list[KeyValue]
+    tensor_infos: list[tuple[str, tuple[int, ...], int, int]]  # name, dims, type, offset
+    infos_start: int
+    infos_end: int
+    alignment: int
+
+    @property
+    def data_start(self) -> int:
+        """The tensors' data: after the infos, aligned; tensor offsets count from here."""
+        return -(-self.infos_end // self.alignment) * self.alignment
+
+
+def read_header(buffer: Any) -> Header:
+    """The header of a GGUF file's bytes, every value skipped (also tests/gguf_trim.py)."""
     if buffer[:4] != GGUF_MAGIC:
         raise ValueError("no GGUF magic")
-    cursor = Cursor(buffer)
+    cursor = _Cursor(buffer)
     cursor.offset = 4
     version, tensor_count, kv_count = cursor.take("IQQ")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version}")
-    alignment = DEFAULT_ALIGNMENT
+    key_values, alignment = [], DEFAULT_ALIGNMENT
     for _ in range(kv_count):
+        start = cursor.offset
         key = cursor.string()
         (value_type,) = cursor.take("I")
+        value_start = cursor.offset
         if key == "general.alignment" and value_type == 4:
             (alignment,) = cursor.take("I")
         else:
             cursor.skip_value(value_type)
+        key_values.append(KeyValue(key, value_type, start, value_start, cursor.offset))
+    infos_start = cursor.offset
     infos = []
     for _ in range(tensor_count):
         name = cursor.string()
         (num_dims,) = cursor.take("I")
         dims = cursor.take("Q" * num_dims)
         kind, offset = cursor.take("IQ")
-        infos.append((name, dims, GGMLQuantizationType(kind), offset))
-    data_start = -(-cursor.offset // alignment) * alignment
+        infos.append((name, dims, kind, offset))
+    return Header(version, key_values, infos, infos_start, cursor.offset, alignment)
+
+
+def _read_tensors(path: Path) -> list[GGUFTensor]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as file:
+        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    header = read_header(buffer)
+    data_start = header.data_start
     whole = np.frombuffer(buffer, dtype=np.uint8)
     tensors = []
-    for name, dims, kind, offset in infos:
+    for name, dims, kind_number, offset in header.tensor_infos:
+        kind = GGMLQuantizationType(kind_number)
         block, block_bytes = GGML_QUANT_SIZES[kind]
         rows = int(np.prod(dims[1:], dtype=np.int64))
         row_bytes = dims[0] // block * block_bytes
