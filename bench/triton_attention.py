@@ -55,12 +55,10 @@ class Problem:
     tables: list[torch.Tensor]
     rows: QueryRows
 
-    @property
-    def kv_bytes(self) -> int:
-        """What one launch reads."""
-        _, kv_heads, _, head_dim = self.k_cache.shape
-        tokens = int(self.rows.context_len.sum())
-        return 2 * tokens * kv_heads * head_dim * self.k_cache.element_size()
+
+def kv_bytes(shape: Shape, batch: int, context: int, dtype: torch.dtype) -> int:
+    """The K and V one launch reads."""
+    return 2 * batch * context * shape.kv_heads * shape.head_dim * dtype.itemsize
 
 
 def decode_problem(shape: Shape, batch: int, context: int, device: str,
@@ -84,8 +82,7 @@ def decode_problem(shape: Shape, batch: int, context: int, device: str,
 
 def cold_copies(shape: Shape, batch: int, context: int, dtype: torch.dtype) -> int:
     """How many copies of a problem fill `COLD_BYTES` of KV."""
-    one = 2 * batch * context * shape.kv_heads * shape.head_dim * dtype.itemsize
-    return max(1, min(MAX_COPIES, -(-COLD_BYTES // one)))
+    return max(1, min(MAX_COPIES, -(-COLD_BYTES // kv_bytes(shape, batch, context, dtype))))
 
 
 @dataclass(frozen=True)
@@ -140,11 +137,12 @@ def sweep(shapes: list[Shape], batches: list[int], contexts: list[int],
                 problem = decode_problem(shape, batch, context, device, dtype, copies)
                 timed = {launch: launch_us(problem, launch, repeats) for launch in launches}
                 best = min(timed, key=timed.get)
+                read = kv_bytes(shape, batch, context, dtype)
                 for launch, us in timed.items():
                     mark = " *" if launch == best else ""
                     lines.append(f"| {shape} | {batch} | {context} | {launch.tile} | "
                                  f"{launch.warps}{mark} | {us:.1f} | "
-                                 f"{problem.kv_bytes / us / 1e3:.0f} |")
+                                 f"{read / us / 1e3:.0f} |")
                 del problem
     return lines
 
