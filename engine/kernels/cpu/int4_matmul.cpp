@@ -9,7 +9,7 @@
 //
 // Codes: [n][k / 2] bytes, group after group; in a group's 16 bytes, byte b holds code b in
 // its low nibble and code b + 16 in its high one (GGUF's Q4_1 order).
-#include "avx2.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -23,7 +23,6 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int kRowBlock = 8;      // rows sharing one pass over a channel's codes
 constexpr int64_t kChunk = 16;    // output channels per OpenMP task
-constexpr int64_t kPrefetchChannels = 4;
 
 #if defined(__AVX512F__)
 using Vec = __m512;
@@ -143,20 +142,6 @@ void many_rows_block(const float* x, int64_t rows, int64_t k, const uint8_t* q, 
   }
 }
 
-// Σ a·b over n values, in one order (eight lanes, then the rest).
-float dot(const float* a, const float* b, int64_t n) {
-  float total = 0.f;
-  int64_t i = 0;
-#if defined(__AVX2__)
-  __m256 lanes = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8)
-    lanes = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lanes);
-  total = sum8(lanes);
-#endif
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
 struct Problem {
   const float* x;
   int64_t rows;
@@ -196,13 +181,7 @@ void matmul(const Problem& p, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t start = 0; start < p.n; start += kChunk) {
     const int64_t end = std::min(p.n, start + kChunk);
-#if defined(__AVX2__) || defined(__AVX512F__)
-    if (end + kPrefetchChannels <= p.n) {
-      const char* ahead = reinterpret_cast<const char*>(p.q + end * p.k / 2);
-      for (int64_t line = 0; line < kPrefetchChannels * p.k / 2; line += 64)
-        _mm_prefetch(ahead + line, _MM_HINT_T0);
-    }
-#endif
+    prefetch_channels(p.q, p.s, p.o, p.k, end, std::min(p.n, end + kChunk));
     for (int64_t row = 0; row < p.rows; row += kRowBlock)
       for (int64_t j = start; j < end; j += 2)
         channels(p, j, int(std::min<int64_t>(2, end - j)), row,
