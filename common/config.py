@@ -15,7 +15,7 @@ DEFAULT_CUDA_KV_CACHE_FRACTION = 0.8
 # engine's flag defaults to its machine's budget (engine.platform.machine), this where a
 # config is built by hand.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8", "w4a8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's; fp8 = fp8_e4m3
 
 
@@ -205,8 +205,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "a CPU, and never compile the forward (wins over --compile)")
     engine.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
                         help="weights quantized at load: int8 / int4 weight-only, w8a8 (int8 "
-                             "weights and per-token int8 activations); auto: as the checkpoint "
-                             "holds them")
+                             "weights and per-token int8 activations), w4a8 (int4 weights and "
+                             "int8 activations per group of 32, llama.cpp's Q4 x Q8_1; on a "
+                             "GGUF, its own 4-bit codes); auto: as the checkpoint holds them")
     engine.add_argument("--batch-invariant", action="store_true",
                         help="a request's tokens do not depend on what shares its steps, on "
                              "prefix-cache hits, chunking or preemption (bitwise-equal "

@@ -26,7 +26,8 @@ from tests.model_fixtures import build_tiny_llama_dir
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
-           ("bfloat16", "int4"), ("bfloat16", "w8a8"), ("float32", "w8a8"), ("float32", "int4")]
+           ("bfloat16", "int4"), ("bfloat16", "w8a8"), ("float32", "w8a8"), ("float32", "int4"),
+           ("float32", "w4a8")]
 PROMPT = [5 + (7 * i) % 300 for i in range(45)]  # 45 tokens: two full blocks and a part
 OUTPUT_TOKENS = 12
 

@@ -1,14 +1,15 @@
-"""Quantized linears (`--quantization int8 | int4 | w8a8`) against float math on their own
-dequantized weights (w8a8: and on its fake-quantized activations).
+"""Quantized linears (`--quantization int8 | int4 | w8a8 | w4a8`) against float math on their
+own dequantized weights (w8a8, w4a8: and on their fake-quantized activations).
 
 Layer tier: each format's product on random weights, fp32 and bf16. Engine tier: a tiny model
 served quantized generates, greedy and in a mixed batch with preemption, what transformers'
 `generate` gives on the same dequantized weights (activations fake-quantized by hooks for
-w8a8), and its logits agree with that reference.
+w8a8 and w4a8), and its logits agree with that reference.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.kernels import moe_int4
+from engine.kernels import moe_int4, w4a8
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.int4_matmul import load_int4_kernel
 from engine.kernels.q8_0_matmul import load_q8_kernel
@@ -38,20 +39,28 @@ from tests.engine_helpers import (
 from tests.model_fixtures import build_tiny_hf_model
 from tests.test_model_parity import prefill_logits
 
-METHODS = ("int8", "int4", "w8a8")
-LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
+METHODS = ("int8", "int4", "w8a8", "w4a8")
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear,
+          "w4a8": functools.partial(Int4Linear, int8_activations=True)}
 # Relative to the largest output. fp32: summation order only. bf16: the kernels round the
 # dequantized weights or partial sums to bf16 as well as the product (measured: ~5e-3).
 LAYER_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 # fp32 model, through every layer. w8a8: a 1e-7 difference upstream can move an activation
 # across a rounding boundary of its int8 code, which moves a logit by up to ~1e-2 here.
-LOGIT_TOLERANCE = {"int8": 1e-3, "int4": 1e-3, "w8a8": 2e-2}
+LOGIT_TOLERANCE = {"int8": 1e-3, "int4": 1e-3, "w8a8": 2e-2, "w4a8": 2e-2}
+
+
+def fake_quantized(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x as a layer quantizing its activations sees it (w8a8 per token, w4a8 per 32)."""
+    if isinstance(layer, W8A8Linear):
+        return W8A8Linear.fake_quantized_input(x)
+    if isinstance(layer, Int4Linear) and not layer.weight_only:
+        return w4a8.fake_quantize_groups(x)
+    return x
 
 
 def reference_product(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(layer, W8A8Linear):
-        x = W8A8Linear.fake_quantized_input(x)
-    return x.float() @ layer.dequantized_weight().T
+    return fake_quantized(layer, x).float() @ layer.dequantized_weight().T
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -69,13 +78,14 @@ def test_layer_equals_float_math_on_its_dequantized_weights(method: str,
         expected = reference_product(layer, x) + bias.float()
         scale = expected.abs().max().item()
         assert (out.float() - expected).abs().max().item() <= LAYER_TOLERANCE[dtype] * scale
-    if method == "int4":  # once loaded, the codes come back out of the kernel's packing
+    if method in ("int4", "w4a8"):  # once loaded, the codes come back out of their packing
         loaded = layer.dequantized_weight()
         layer.finish_loading()
         assert torch.equal(layer.dequantized_weight(), loaded)
     # The quantization itself stays close to the float weight it came from.
     error = (layer.dequantized_weight() - weight.float()).abs().max().item()
-    assert error <= (0.2 if method == "int4" else 0.02) * weight.float().abs().max().item()
+    bound = 0.02 if method in ("int8", "w8a8") else 0.2
+    assert error <= bound * weight.float().abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -126,8 +136,9 @@ def test_q8_0_layer_equals_float_math_on_its_codes(dtype: torch.dtype, block: in
         Q8_0Linear(codes, scales[:, :1], None, dtype)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w4a8"])
 def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) -> None:
+    """w4a8's copy multiplies the fake-quantized activations: the same function."""
     generator = torch.Generator().manual_seed(1)
     layer = LAYERS[method](torch.randn(96, 64, generator=generator), None)
     layer.keep_dense_copy(torch.float32)
@@ -211,18 +222,66 @@ def test_int4_fp32_kernel_equals_float_math_on_its_codes(group_size: int) -> Non
         assert (out - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["int4", "int4-bf16", "q8_0", "q8_0-bf16"])
+def test_w4a8_kernel_quantizes_activations_as_the_reference_does() -> None:
+    """The C++ kernel's own 8-bit codes and scales per group of 32 are the torch reference's
+    bit for bit: a group of zeros, a group whose values tie at half a step, large and tiny
+    values."""
+    assert w4a8.load_w4a8_kernel() is not None
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 160, generator=generator) * torch.rand(5, 1, generator=generator) * 40
+    x[0, :32] = 0
+    x[1, 32:64] = torch.arange(32) - 15.5  # halves of a step of 1: rounded to even
+    x[1, 63] = 127
+    x[2, 64:96] *= 1e-30
+    x[3, 96:128] *= 2e4
+    codes, scales = w4a8.kernel_quantize_groups(x)
+    expected_codes, expected_scales = w4a8.quantize_groups(x)
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    assert torch.equal(scales[0, 0], torch.tensor(0.0)) and not codes[0, :32].any()
+    assert codes.abs().max() == 127 and codes[1, 32:36].tolist() == [-16, -14, -14, -12]
+    with pytest.raises(ValueError, match="groups of 32"):
+        w4a8.kernel_quantize_groups(torch.randn(2, 48))
+
+
+def test_w4a8_kernel_equals_float_math_on_its_codes_and_fake_quantized_inputs() -> None:
+    """A GGUF's 4-bit codes with 8-bit activations: 1 to 15 rows read the codes (integer
+    products per group), more the fp32 copy on the fake-quantized activations; both float
+    math on W = (q - 8)·s + z and x's 8-bit stand-in."""
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (84, 192), generator=generator, dtype=torch.uint8)
+    scale = torch.rand(84, 6, generator=generator) * 0.01
+    zero = torch.randn(84, 6, generator=generator) * 0.01
+    bias = torch.randn(84, generator=generator)
+    layer = Int4Linear.from_codes(q, scale, zero, bias, torch.float32, int8_activations=True)
+    assert layer.method == "w4a8" and not layer.weight_only and layer.serves_float32
+    attach_dense_copies([layer])
+    assert layer.kernel_rows == FLOAT32_KERNEL_ROWS and torch.equal(layer.codes(), q)
+    weight = layer.dequantized_weight().double()
+    for rows in (1, 2, 3, 4, 5, 8, 15, 16, 40):
+        x = torch.randn(rows, 192, generator=generator) * 5
+        expected = w4a8.fake_quantize_groups(x).double() @ weight.T + bias.double()
+        error = (layer(x).double() - expected).abs().max().item()
+        assert error <= 1e-5 * expected.abs().max().item(), rows
+        # Not the float activations' product: the 8-bit inputs are what it answers to.
+        assert not torch.allclose(layer(x).double(), x.double() @ weight.T + bias.double(),
+                                  rtol=0, atol=1e-5 * expected.abs().max().item())
+    with pytest.raises(ValueError, match="w4a8"):
+        w4a8.run_w4a8_matmul(torch.randn(2, 100), *layer._float_kernel_args)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-bf16", "w4a8", "q8_0", "q8_0-bf16"])
 def test_the_code_kernels_give_a_row_the_same_bits_whatever_shares_the_call(kind: str) -> None:
-    """Each output of our int4 and Q8_0 kernels is one thread's sum in one order: a row alone,
+    """Each output of our int4, w4a8 and Q8_0 kernels is one thread's sum in one order (w4a8's
+    activations quantized row by row): a row alone,
     among 2..70 others at any position, and on 1 or 2 threads, gives the same bits (what
     batch-invariant serving needs of a product)."""
     generator = torch.Generator().manual_seed(5)
     dtype = torch.bfloat16 if kind.endswith("bf16") else torch.float32
-    if kind.startswith("int4"):
+    if kind.startswith(("int4", "w4a8")):
         layer: QuantizedLinear = Int4Linear.from_codes(
             torch.randint(0, 16, (48, 320), generator=generator, dtype=torch.uint8),
             torch.rand(48, 10, generator=generator), torch.randn(48, 10, generator=generator),
-            None, dtype)
+            None, dtype, int8_activations=kind == "w4a8")
         assert layer.serves_float32 or dtype == torch.bfloat16
     else:
         layer = Q8_0Linear(torch.randint(-127, 128, (48, 320), generator=generator,
@@ -282,7 +341,7 @@ def test_quantize_linears_replaces_every_linear_and_a_tied_head() -> None:
 
 def dequantized_reference(hf_model: nn.Module, engine_model: nn.Module, method: str):
     """The transformers model with the engine's dequantized weights (fused projections split
-    back) and, for w8a8, every linear's input fake-quantized per token."""
+    back) and, for w8a8 and w4a8, every linear's input fake-quantized (per token, per 32)."""
     hf_layers = hf_model.model.layers
     for hf_layer, layer in zip(hf_layers, engine_model.model.layers, strict=True):
         attention, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -298,11 +357,13 @@ def dequantized_reference(hf_model: nn.Module, engine_model: nn.Module, method: 
         mlp.up_proj.weight.data.copy_(up)
         mlp.down_proj.weight.data.copy_(layer.mlp.down_proj.dequantized_weight())
     hf_model.lm_head.weight.data.copy_(engine_model.lm_head.dequantized_weight())
-    if method == "w8a8":
+    quantizes_activations = {"w8a8": W8A8Linear.fake_quantized_input,
+                             "w4a8": w4a8.fake_quantize_groups}.get(method)
+    if quantizes_activations is not None:
         for module in hf_model.modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_pre_hook(
-                    lambda _, args: (W8A8Linear.fake_quantized_input(args[0]),))
+                    lambda _, args: (quantizes_activations(args[0]),))
     return hf_model
 
 
@@ -318,8 +379,8 @@ def test_served_quantized_equals_transformers_on_the_dequantized_weights(
     core = make_core(str(model_dir), quantization=method, num_kv_blocks=10,
                      max_num_batched_tokens=32, compile=compiled)
     assert (core.runner.forward is not core.model) == compiled
-    assert all(isinstance(module, LAYERS[method]) for module in core.model.modules()
-               if isinstance(module, QuantizedLinear))
+    assert {module.method for module in core.model.modules()
+            if isinstance(module, QuantizedLinear)} == {method}
     reference = dequantized_reference(hf_model, core.model, method)
 
     prompt = [(7 * i + 3) % 250 + 3 for i in range(24)]
@@ -360,17 +421,20 @@ def test_default_model_quantized_logits_match_its_dequantized_reference(
     assert torch.equal(logits.argmax(dim=-1), expected.argmax(dim=-1))
 
 
-def test_default_model_w8a8_layers_match_float_math_on_their_real_inputs(
-        smollm2_dir: str) -> None:
+@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
+def test_default_model_activation_quantized_layers_match_float_math_on_their_real_inputs(
+        smollm2_dir: str, method: str) -> None:
     """SmolLM2's residual stream carries outliers of ~2e4, so one activation code's step is
     large and a 1e-7 difference upstream that moves a value across a rounding boundary moves
     the logits by whole units: whole-model parity with an independent implementation is
-    chaotic for w8a8 (its quality is bench.quality's business). So each w8a8 layer is
-    checked on the activations it really receives, against its fake-quantized float math."""
-    ours = load_model(smollm2_dir, torch.float32, torch.device("cpu"), quantization="w8a8")
+    chaotic when activations are quantized (their quality is bench.quality's business). So
+    each such layer is checked on the activations it really receives, against its
+    fake-quantized float math. w4a8 keeps the GGUF's own Q4_1 codes (the Q8_0 head stays
+    weight-only); w8a8 quantizes the float weights."""
+    ours = load_model(smollm2_dir, torch.float32, torch.device("cpu"), quantization=method)
     worst: list[float] = []
 
-    def checked(layer: W8A8Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def checked(layer: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
         forward = layer.forward
 
         def check(x: torch.Tensor) -> torch.Tensor:
@@ -381,11 +445,14 @@ def test_default_model_w8a8_layers_match_float_math_on_their_real_inputs(
         return check
 
     # The model calls its layers' `forward` (no hooks: see DecoderLayer), so wrap that.
-    for module in ours.modules():
-        if isinstance(module, W8A8Linear):
-            module.forward = checked(module)
-    prefill_logits(ours, DEFAULT_MODEL_PROMPT)
-    assert len(worst) == 4 * 30 + 1
+    layers = [module for module in ours.modules()
+              if isinstance(module, QuantizedLinear) and module.method == method]
+    for layer in layers:
+        layer.forward = checked(layer)
+    assert len(layers) == 4 * 30 + (method == "w8a8")
+    for prompt in (DEFAULT_MODEL_PROMPT * 2, DEFAULT_MODEL_PROMPT[:3]):  # the copy, the kernel
+        prefill_logits(ours, prompt)
+    assert len(worst) == 2 * len(layers)
     assert max(worst) < 1e-5
 
 

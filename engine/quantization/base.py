@@ -34,7 +34,7 @@ class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b for a weight held quantized; subclasses say how."""
 
     method = "none"
-    weight_only = True  # activations stay float: a dense copy computes the same function
+    weight_only = True  # activations stay float (else `dense_input` quantizes them)
     max_kernel_rows = 0  # weight-only, bf16: steps of more tokens run on the dense copy
     keeps_dense_copy = True  # False: the codes' kernel takes every step (routed experts)
 
@@ -83,6 +83,11 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def dense_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the dense copy must multiply it to compute the layer's function (activations
+        quantized on the fly: fake-quantized)."""
+        return x
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x (2-D) times the weight, transposed."""
         raise NotImplementedError
@@ -93,7 +98,7 @@ class QuantizedLinear(nn.Module):
         # `_dense_call` is `dense` held as a plain attribute: nn.Module's __getattr__ costs
         # on every lookup, and a decode step makes hundreds of these calls.
         if x.shape[0] > self.kernel_rows and self._dense_call is not None:
-            return self._dense_call(x)
+            return self._dense_call(self.dense_input(x))
         y = self.product(x)
         return y if self.bias is None else y + self.bias
 

@@ -1,12 +1,14 @@
-"""int4 weight-only: groups of `group_size` input channels with a scale and a zero each
-(W ≈ (q - 8)·s + z, q in 0..15): the layout of a GGUF Q4_1 block, so a GGUF file's Q4_0, Q4_1
-and Q4_K codes load into it as they are (`from_codes`)."""
+"""int4: groups of `group_size` input channels with a scale and a zero each (W ≈ (q - 8)·s + z,
+q in 0..15): the layout of a GGUF Q4_1 block, so a GGUF file's Q4_0, Q4_1 and Q4_K codes load
+into it as they are (`from_codes`). Weight-only (`int4`), or with the activations quantized to
+8 bits per group of 32 as they arrive (`w4a8`: llama.cpp's Q4 x Q8_1 product; the layer then
+answers to float math on its dequantized weight and the fake-quantized activations)."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.kernels import moe_int4
+from engine.kernels import moe_int4, w4a8
 from engine.kernels.build import kernel_enabled
 from engine.kernels.int4_matmul import kernel_serves, pack_nibbles, run_int4_matmul, unpack_nibbles
 from engine.quantization.base import DEFAULT_GROUP_SIZE, QuantizedLinear
@@ -22,13 +24,13 @@ GROUPED_KERNEL_ROWS = 16
 
 
 class Int4Linear(QuantizedLinear):
-    method = "int4"
     max_kernel_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 group_size: int = DEFAULT_GROUP_SIZE) -> None:
+                 group_size: int = DEFAULT_GROUP_SIZE, int8_activations: bool = False) -> None:
         """Quantizes a float weight: each group's minimum and maximum span codes 0..15."""
         super().__init__(weight.shape, bias)
+        self.weight_only = not int8_activations
         if self.in_features % group_size:
             raise ValueError(f"int4: {self.in_features} input channels are not a multiple of "
                              f"the group size {group_size}")
@@ -41,13 +43,19 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                   bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+                   bias: torch.Tensor | None, dtype: torch.dtype,
+                   int8_activations: bool = False) -> Int4Linear:
         """A layer holding given codes as they are (a GGUF Q4_0 / Q4_1 tensor's):
         W = (q - 8)·scale + zero, q [N, K] in 0..15, scale and zero [N, groups]."""
         layer = cls.__new__(cls)
         QuantizedLinear.__init__(layer, q.shape, bias)
+        layer.weight_only = not int8_activations
         layer._hold(q, scale, zero, dtype)
         return layer
+
+    @property
+    def method(self) -> str:
+        return "int4" if self.weight_only else "w4a8"
 
     def _hold(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               dtype: torch.dtype) -> None:
@@ -61,8 +69,9 @@ class Int4Linear(QuantizedLinear):
         scales_and_zeros = torch.stack([scale.T, zero.T], dim=-1).contiguous().to(dtype)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         on_cpu = q.device.type == "cpu"
-        ours = on_cpu and kernel_serves(q.device, dtype, self.group_size)
-        grouped = (on_cpu and kernel_enabled("LOOM_CPU_INT4_GROUPED")
+        serves = kernel_serves if self.weight_only else w4a8.kernel_serves
+        ours = on_cpu and serves(q.device, dtype, self.group_size)
+        grouped = (on_cpu and self.weight_only and kernel_enabled("LOOM_CPU_INT4_GROUPED")
                    and moe_int4.kernel_serves(dtype, self.group_size, self.out_features,
                                               self.in_features))
         codes, scales = (moe_int4.pack_experts(q[None], scales_and_zeros[None]) if grouped
@@ -84,6 +93,7 @@ class Int4Linear(QuantizedLinear):
             scale, zero = scale.float().contiguous(), zero.float()
             offset = (zero - INT4_ZERO_POINT * scale).contiguous()
             self._float_kernel_args = (self.nibbles, scale, offset)
+        self._float_kernel = run_int4_matmul if self.weight_only else w4a8.run_w4a8_matmul
 
     @property
     def serves_float32(self) -> bool:
@@ -119,11 +129,15 @@ class Int4Linear(QuantizedLinear):
     def finish_loading(self) -> None:
         self._loading_codes = None
 
+    def dense_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.weight_only else w4a8.fake_quantize_groups(x).to(x.dtype)
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._float_kernel_args is not None:
+            return self._float_kernel(x, *self._float_kernel_args)
+        x = self.dense_input(x)
         if self._grouped_args is not None:  # the grouped kernel, with one "expert"
             return moe_int4.run_moe_int4(x, None, *self._grouped_args)
-        if self._float_kernel_args is not None:
-            return run_int4_matmul(x, *self._float_kernel_args)
         if self._kernel_args is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, *self._kernel_args)
         return x @ self.dequantized_weight().to(x.dtype).T

@@ -1,8 +1,9 @@
 """`--quantization`: each method's layer, made from a model's float weights at load time.
 
-A method is one file of this package: none (engine.quantization.unquantized), int8, int4,
-w8a8; the GGUF codes a file brings (Q4_0/Q4_1/Q4_K as int4, Q8_0) load through
-engine.weights.gguf. A new method is a `QuantizedLinear` subclass and one entry here.
+A method is one file of this package: none (engine.quantization.unquantized), int8, int4 (and
+w4a8: its weights with 8-bit activations), w8a8; the GGUF codes a file brings (Q4_0/Q4_1/Q4_K
+as int4, Q8_0) load through engine.weights.gguf. A new method is a `QuantizedLinear` subclass
+and one entry here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ METHODS: dict[str, Maker] = {
     "int8": lambda weight, bias, group_size: Int8Linear(weight, bias),
     "int4": lambda weight, bias, group_size: Int4Linear(weight, bias, group_size),
     "w8a8": lambda weight, bias, group_size: W8A8Linear(weight, bias),
+    "w4a8": lambda weight, bias, group_size: Int4Linear(weight, bias, group_size,
+                                                        int8_activations=True),
 }
 QUANTIZATION_METHODS = ("none", *METHODS)
 
@@ -43,12 +46,12 @@ def quantize_linears(model: nn.Module, method: str,
 
 
 def attach_dense_copies(layers: list[QuantizedLinear]) -> None:
-    """The last step of loading quantized layers: weight-only ones get their packed bf16 copy
-    where oneDNN packs bf16 natively, an fp32 one in an fp32 model (engine.quantization.base);
-    w8a8 ones and those that keep no dense copy (routed experts) none."""
+    """The last step of loading quantized layers: each gets its packed bf16 copy where oneDNN
+    packs bf16 natively, an fp32 one in an fp32 model (engine.quantization.base); w8a8 ones
+    and those that keep no dense copy (routed experts) none."""
     for layer in layers:
         dtype = layer.dense_dtype
-        if layer.weight_only and layer.keeps_dense_copy:
+        if layer.keeps_dense_copy:
             if dtype == torch.float32:
                 layer.keep_float_copy()
             elif packing_applies(layer.device, dtype):

@@ -16,6 +16,7 @@ from engine.quantization.base import QuantizedLinear, per_channel_int8
 class W8A8Linear(QuantizedLinear):
     method = "w8a8"
     weight_only = False
+    keeps_dense_copy = False  # _int_mm serves every size
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.shape, bias)

@@ -203,10 +203,12 @@ def q8_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
                            groups: dict[str, list[GGUFTensor]], config: dict[str, Any],
-                           dtype: torch.dtype) -> list[QuantizedLinear]:
+                           dtype: torch.dtype,
+                           int8_activations: bool = False) -> list[QuantizedLinear]:
     """Replaces each linear of `groups` (see `kept_groups`) by a layer holding the file's
-    codes (a tied `lm_head`, None until now, included); returns them. Logs the quantized
-    types served as float instead."""
+    codes (a tied `lm_head`, None until now, included); returns them. `int8_activations`:
+    4-bit ones quantize their inputs per group of 32 (w4a8; routed experts stay weight-only).
+    Logs the quantized types served as float instead."""
     made: list[QuantizedLinear] = []
     expert_sets = 0
     for module_name, members in groups.items():
@@ -222,7 +224,7 @@ def keep_gguf_quantization(model: nn.Module, tensors: list[GGUFTensor],
         arrays = [torch.from_numpy(np.concatenate(parts))
                   for parts in zip(*codes_of(members, config), strict=True)]
         bias = getattr(declared, "bias", None)
-        made.append(coded_layer(arrays, bias, dtype))
+        made.append(coded_layer(arrays, bias, dtype, int8_activations))
         setattr(parent, attribute,
                 declared.wrap(made[-1]) if isinstance(declared, LinearBase) else made[-1])
     kept = {member.name for members in groups.values() for member in members}
@@ -256,12 +258,13 @@ def expert_layers(moe: FusedMoE, codes: list[list[np.ndarray]],
     return made
 
 
-def coded_layer(arrays: list[torch.Tensor], bias: torch.Tensor | None,
-                dtype: torch.dtype) -> QuantizedLinear:
-    """A `Q8_0Linear` of (q, scale), an `Int4Linear` of (q, scale, zero) (`codes_of`)."""
+def coded_layer(arrays: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype,
+                int8_activations: bool = False) -> QuantizedLinear:
+    """A `Q8_0Linear` of (q, scale), an `Int4Linear` of (q, scale, zero) (`codes_of`), its
+    activations quantized per group of 32 if asked (w4a8)."""
     if len(arrays) == 2:
         return Q8_0Linear(*arrays, bias, dtype)
-    return Int4Linear.from_codes(*arrays, bias, dtype)
+    return Int4Linear.from_codes(*arrays, bias, dtype, int8_activations)
 
 
 def _log_kept(tensors: list[GGUFTensor], kept: set[str], num_layers: int,

@@ -31,7 +31,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     share of each tensor), its linears quantized if asked (engine.quantization), else
     prepacked where that pays. A directory standing for a GGUF file (common.gguf_model) reads
     the file; `auto` keeps its Q4_0/Q4_1/Q4_K/Q8_0 linears as they are (in bf16 and fp32
-    alike), except under tensor parallelism. One that also holds safetensors (the default
+    alike), except under tensor parallelism; `w4a8` too, its 4-bit ones with 8-bit
+    activations. One that also holds safetensors (the default
     model) reads those whenever it does not keep the codes (`none`): the float weights."""
     directory = Path(model_dir)
     hf_config = read_hf_config(directory)
@@ -40,7 +41,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = model_class(config.model_type)(config, dtype=dtype)
     source = gguf_source(directory)
-    keep_codes = source is not None and quantization == "auto" and tp_shard().size == 1
+    keep_codes = (source is not None and quantization in ("auto", "w4a8")
+                  and tp_shard().size == 1)
     elsewhere: frozenset[str] = frozenset()
     if source is not None and (keep_codes or not any(directory.glob("*.safetensors"))):
         gguf_tensors = read_tensors(source)
@@ -56,7 +58,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     model = model.to(device).eval().requires_grad_(False)
     if keep_codes:
         attach_dense_copies(
-            keep_gguf_quantization(model, gguf_tensors, groups, hf_config, dtype))
+            keep_gguf_quantization(model, gguf_tensors, groups, hf_config, dtype,
+                                   int8_activations=quantization == "w4a8"))
     else:
         quantize_linears(model, "none" if quantization == "auto" else quantization, group_size)
     prepack_linears(model, device, dtype)
