@@ -115,7 +115,8 @@ SCOPES: list[tuple[str, str, range]] = [
 
 # A replayed tape's calls, by kernel (other calls are torch ops, classed by their names).
 TAPED_KERNELS = {
-    "loom_moe_int4": "GEMM", "loom_int4_matmul": "GEMM", "loom_q8_0_matmul": "GEMM",
+    "loom_moe_int4": "GEMM", "loom_int4_matmul": "GEMM", "loom_w4a8_matmul": "GEMM",
+    "loom_q8_0_matmul": "GEMM",
     "loom_quantize_rows": "GEMM", "loom_rescale": "GEMM", "loom_paged_decode": "attention",
     "loom_write_kv": "KV write", "loom_write_kv_codes": "KV write", "loom_add_rms_norm": "norms",
     "loom_rotary": "rope", "loom_silu_and_mul": "activation",
