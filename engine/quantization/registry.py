@@ -8,6 +8,7 @@ and one entry here.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -65,7 +66,8 @@ def quantization_summary(model: nn.Module) -> str:
     if not layers:
         return "linears not quantized"
     first = layers[0]
-    text = f"{len(layers)} {first.method} linears"
+    counts = Counter(layer.method for layer in layers)
+    text = " + ".join(f"{count} {method}" for method, count in counts.most_common()) + " linears"
     if isinstance(first, Int4Linear):
         text += f" (groups of {first.group_size}"
         text += ", the grouped AVX512-BF16 kernel)" if first.grouped_codes is not None else ")"
