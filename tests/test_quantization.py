@@ -22,6 +22,7 @@ from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.int4_matmul import load_int4_kernel
 from engine.kernels.q8_0_matmul import load_q8_kernel
 from engine.layers.batch_invariant import MIN_ROWS_FP32
+from engine.platform.cpu import cpu_flags
 from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
 from engine.quantization.int4 import GROUPED_KERNEL_ROWS, Int4Linear
 from engine.quantization.int8 import Int8Linear
@@ -107,6 +108,24 @@ def test_w8a8_cpp_passes_equal_the_torch_ops_bit_for_bit(dtype: torch.dtype) -> 
         assert torch.equal(out, (acc.float() * expected_scales * layer.scale).to(dtype))
     with pytest.raises(ValueError, match="w8a8 rescale"):
         w8a8_kernels.rescale(acc.float(), scales, layer.scale, dtype)
+
+
+def test_the_cpp_int8_gemm_equals_int_mm_bit_for_bit() -> None:
+    """Where oneDNN has no int8 dot-product instructions, w8a8 multiplies with a kernel of
+    ours (engine.kernels.w8a8.int8_matmul): exact int32 sums, so torch._int_mm's numbers, for
+    any row count, a K that is no multiple of 32, and the extreme codes."""
+    assert w8a8_kernels.load_w8a8_kernels() is not None
+    generator = torch.Generator().manual_seed(8)
+    for rows, k, n in ((1, 576, 70), (3, 100, 37), (6, 64, 33), (70, 96, 48)):
+        a = torch.randint(-127, 128, (rows, k), generator=generator, dtype=torch.int8)
+        weight = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+        a[0], weight[0] = 127, -128  # the largest products, every one alike
+        weight[1] = 0
+        assert torch.equal(w8a8_kernels.int8_matmul(a, weight), torch._int_mm(a, weight.T))
+    with pytest.raises(ValueError, match="int8 matmul"):
+        w8a8_kernels.int8_matmul(a.float(), weight)
+    cpu_has_int8_dot = bool(cpu_flags() & w8a8_kernels.INT8_DOT_FLAGS)
+    assert W8A8Linear(torch.randn(8, 64), None).uses_int8_gemm == (not cpu_has_int8_dot)
 
 
 @pytest.mark.parametrize("block", [32, 16], ids=["q8_0", "q6_k-blocks"])
