@@ -53,9 +53,10 @@ def oracle_text(prompt: list[int]) -> str:
 
 
 async def streamed_chat(session: aiohttp.ClientSession, url: str, model: str,
-                        question: str) -> str:
+                        question: str, **extra: object) -> str:
+    """A greedy streamed chat answer of MAX_TOKENS tokens (or fewer), its deltas joined."""
     body = {"model": model, "messages": [{"role": "user", "content": question}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, **extra}
     text = ""
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         assert response.status == 200, await response.text()

@@ -6,7 +6,6 @@ fake-quantized activations: tests/test_quantization.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 import aiohttp
@@ -16,27 +15,13 @@ from transformers import AutoTokenizer
 from common.default_model import resolve_model
 from tests.engine_helpers import greedy_request, make_core, run_to_completion
 from tests.launched_server import LaunchedServer
+from tests.test_kv_cache_dtype_e2e import MAX_TOKENS, streamed_chat
 
 pytestmark = pytest.mark.e2e
 
 # The first one's greedy answer with fp32 activations (`auto`) differs from its first token.
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "Write one sentence about the ocean."]
-MAX_TOKENS = 12
-
-
-async def streamed_chat(session: aiohttp.ClientSession, url: str, question: str) -> str:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    text = ""
-    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        async for line in response.content:
-            data = line.decode().removeprefix("data: ").strip()
-            if data and data != "[DONE]":
-                text += json.loads(data)["choices"][0]["delta"].get("content") or ""
-    return text
-
 
 def in_process_answers(quantization: str) -> list[str]:
     directory = resolve_model(None)
@@ -55,7 +40,10 @@ async def test_w4a8_serves_what_the_engine_computes_with_8_bit_activations(
     with server.start(tmp_path_factory.mktemp("logs")):
         assert re.search(r"120 w4a8 \+ 1 q8_0 linears \(groups of 32\)", server.log)
         async with aiohttp.ClientSession() as session:
-            answers = await asyncio.gather(*(streamed_chat(session, server.base_url, question)
+            url = server.base_url
+            model = (await (await session.get(f"{url}/v1/models")).json())["data"][0]["id"]
+            answers = await asyncio.gather(*(streamed_chat(session, url, model, question,
+                                                           ignore_eos=True)
                                              for question in QUESTIONS))
     expected = in_process_answers("w4a8")
     assert answers == expected

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -45,18 +46,25 @@ def run_int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     makes them, scales and offsets fp32 [n, k / 32], all contiguous CPU tensors."""
     library = load_int4_kernel()
     assert library is not None
+    return run_codes_kernel("int4", library.loom_int4_matmul, x, codes, scales, offsets)
+
+
+def run_codes_kernel(name: str, kernel: Callable[..., int], x: torch.Tensor,
+                     codes: torch.Tensor, scales: torch.Tensor,
+                     offsets: torch.Tensor) -> torch.Tensor:
+    """Calls a kernel taking (x, rows, codes, scales, offsets, y, n, k, threads) as the int4
+    and w4a8 ones do, its arguments checked first; y [rows, n] fp32."""
     x = x.contiguous()
     n, k = codes.shape[0], codes.shape[1] * 2
     if (x.dtype != torch.float32 or x.shape[1] != k or x.shape[0] < 1
             or scales.shape != (n, k // GROUP) or offsets.shape != scales.shape):
-        raise ValueError(f"int4: x {tuple(x.shape)} {x.dtype} against codes "
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} against codes "
                          f"{tuple(codes.shape)}, scales {tuple(scales.shape)}")
     y = x.new_empty((x.shape[0], n))
-    status = library.loom_int4_matmul(x.data_ptr(), x.shape[0], codes.data_ptr(),
-                                      scales.data_ptr(), offsets.data_ptr(), y.data_ptr(), n, k,
-                                      torch.get_num_threads())
+    status = kernel(x.data_ptr(), x.shape[0], codes.data_ptr(), scales.data_ptr(),
+                    offsets.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"the int4 kernel refused its arguments ({status})")
+        raise RuntimeError(f"the {name} kernel refused its arguments ({status})")
     return y
 
 

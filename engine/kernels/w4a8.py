@@ -15,6 +15,7 @@ import functools
 import torch
 
 from engine.kernels.build import I64, INT, PTR, load_library
+from engine.kernels.int4_matmul import run_codes_kernel
 
 GROUP = 32  # input channels per weight scale and per activation scale
 
@@ -48,19 +49,7 @@ def run_w4a8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     kernel's arguments: engine.kernels.int4_matmul.pack_nibbles)."""
     library = load_w4a8_kernel()
     assert library is not None
-    x = x.contiguous()
-    n, k = codes.shape[0], codes.shape[1] * 2
-    if (x.dtype != torch.float32 or x.shape[1] != k or x.shape[0] < 1
-            or scales.shape != (n, k // GROUP) or offsets.shape != scales.shape):
-        raise ValueError(f"w4a8: x {tuple(x.shape)} {x.dtype} against codes "
-                         f"{tuple(codes.shape)}, scales {tuple(scales.shape)}")
-    y = x.new_empty((x.shape[0], n))
-    status = library.loom_w4a8_matmul(x.data_ptr(), x.shape[0], codes.data_ptr(),
-                                      scales.data_ptr(), offsets.data_ptr(), y.data_ptr(), n, k,
-                                      torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"the w4a8 kernel refused its arguments ({status})")
-    return y
+    return run_codes_kernel("w4a8", library.loom_w4a8_matmul, x, codes, scales, offsets)
 
 
 def kernel_quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
