@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import statistics
+import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
 
-from bench.attention import median_ms
 from engine.attention.metadata import DecodeBatch
 from engine.attention.quantized_kv import is_quantized, quantize_rows, row_width
 from engine.kernels.paged_decode import load_cpp_decode, run_paged_decode
@@ -80,9 +82,26 @@ def measure(batch: int, context: int, dtypes: tuple[torch.dtype, torch.dtype], b
     read_bytes = sum(cache.numel() * cache.element_size() for pair in caches for cache in pair)
     # The same bytes in fp32 tensors: sum() reads each element once.
     streamed = [tensor[: tensor.numel() * dtype.itemsize // 4] for tensor in flat]
-    kernel_s = median_ms(step, repeats) / 1e3
-    stream_s = median_ms(lambda: [tensor.sum() for tensor in streamed], repeats) / 1e3
+    kernel_s, stream_s = alternating_seconds(
+        step, lambda: [tensor.sum() for tensor in streamed], repeats)
     return kernel_s / layers * 1e3, read_bytes / kernel_s / 1e9, read_bytes / stream_s / 1e9
+
+
+def alternating_seconds(kernel: Callable[[], object], stream: Callable[[], object],
+                        repeats: int) -> tuple[float, float]:
+    """Median seconds of the kernel and of the streaming read, timed in turns.
+
+    A VM's memory bandwidth drifts from minute to minute (the same read measured 29-62 GB/s in
+    one sitting); timed one right after the other, both see the same minute.
+    """
+    kernel(), stream()
+    kernel_times, stream_times = [], []
+    for _ in range(repeats):
+        for fn, times in ((kernel, kernel_times), (stream, stream_times)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(kernel_times), statistics.median(stream_times)
 
 
 def main() -> None:

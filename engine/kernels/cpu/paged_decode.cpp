@@ -54,8 +54,9 @@ inline bool scattered(const int64_t* table, int64_t b) {
 // as they read, each line once: reading row i of 16 fetches the i-th sixteenth of the lines of
 // the 16 rows at the same place that far ahead. Spread so, the misses overlap; a block's (or
 // a head's) lines asked for at once fill the core's miss buffers and stall it, and so does a
-// line asked for again while its miss is outstanding. docs/benchmarks.md, "Decode attention:
-// prefetching a line at a time".
+// line asked for again while its miss is outstanding. The lines go to L2 (prefetcht1): into
+// L1 they hold the core's few L1 miss buffers and the walk ran 1.4-1.5x slower on a Zen 4 VM.
+// docs/benchmarks.md, "Decode attention: prefetching a line at a time" and "... into L2".
 constexpr int64_t kRowsAheadBlocks = 2;
 
 // Where a task's blocks are fetched ahead of its walk (over K, then over V): at its start
@@ -109,7 +110,7 @@ inline void prefetch_sixteenth(const char* rows16, int64_t i) {
   if (rows16 == nullptr) return;
   constexpr int64_t kLines = (16 * kRowBytes + 63) / 64;
   for (int64_t line = i * kLines / 16; line < (i + 1) * kLines / 16; ++line)
-    __builtin_prefetch(rows16 + 64 * line);
+    __builtin_prefetch(rows16 + 64 * line, 0, 2);
 }
 
 // As prefetch_sixteenth, for row t of a walk over rows whose 16-row groups are 64-byte aligned.
