@@ -62,13 +62,14 @@ void group_dots(const Problem& p, int64_t expert, int64_t tile, int64_t row, int
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
   // Codes kPrefetchGroups groups ahead; near a span's end, the next span's first groups
-  // (prefetching past the array's end is harmless: it never faults).
+  // (prefetching past the array's end is harmless: it never faults), into L2: one row 15% faster
+  // than into L1 on a Zen 4 VM, whose few L1 miss buffers the prefetches otherwise hold.
   const int64_t ahead = g + kPrefetchGroups + (g + kPrefetchGroups >= p.groups()) * (T - 1) *
                                                   p.groups();
   for (int t = 0; t < T; ++t) {
     const char* line = reinterpret_cast<const char*>(
         p.codes + ((expert * p.tiles() + tile + t) * p.groups() + ahead) * kGroupBytes);
-    for (int offset = 0; offset < kGroupBytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T0);
+    for (int offset = 0; offset < kGroupBytes; offset += 64) _mm_prefetch(line + offset, _MM_HINT_T1);
   }
   for (int c = 0; c < 8; ++c) {
     __m512bh low[T], high[T];  // every tile's codes first, then each row's pair once
