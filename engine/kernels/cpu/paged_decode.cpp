@@ -56,7 +56,8 @@ inline bool scattered(const int64_t* table, int64_t b) {
 // a head's) lines asked for at once fill the core's miss buffers and stall it, and so does a
 // line asked for again while its miss is outstanding. The lines go to L2 (prefetcht1): into
 // L1 they hold the core's few L1 miss buffers and the walk ran 1.4-1.5x slower on a Zen 4 VM.
-// docs/benchmarks.md, "Decode attention: prefetching a line at a time" and "... into L2".
+// docs/benchmarks.md, "Decode attention: prefetching a line at a time" and "Prefetching into
+// L2".
 constexpr int64_t kRowsAheadBlocks = 2;
 
 // Where a task's blocks are fetched ahead of its walk (over K, then over V): at its start
