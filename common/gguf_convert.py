@@ -1,7 +1,7 @@
 """A llama.cpp GGUF file read as a Hugging Face model: its config from the file's metadata,
 its tensors' names and layouts (dequantized, llama.cpp's rotary permutation of q/k undone),
-its tokenizer and chat template; `convert_gguf` writes all of it as an ordinary float32
-directory. Used for the embedded default model (common.default_model), for `--model
+its tokenizer and chat template (common.gguf_tokenizer); `convert_gguf` writes all of it as an
+ordinary float32 directory. Used for the embedded default model (common.default_model), for `--model
 FILE.gguf` (common.gguf_model) and by the engine's GGUF loader (engine.weights.gguf).
 
 Importable without torch.
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from common.gguf_tokenizer import write_tokenizer
 
 Progress = Callable[[str], None]
 
@@ -368,33 +370,6 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     rows, cols = weight.shape
     half = rows // num_heads // 2
     return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def write_tokenizer(gguf_path: Path, out: Path, progress: Progress) -> None:
-    from transformers import AutoTokenizer
-
-    progress("converting the tokenizer and chat template")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if not tokenizer.chat_template:  # a base model: completions, chat with --chat-template
-        progress(f"{gguf_path.name} carries no chat template")
-    tokenizer.save_pretrained(str(out))
-    _check_saved_tokenizer(out, tokenizer)
-
-
-def _check_saved_tokenizer(out: Path, original: Any) -> None:
-    from transformers import AutoTokenizer
-
-    saved = AutoTokenizer.from_pretrained(str(out))
-    probe = "What is the capital of France? Ça va — 東京."
-    if saved.encode(probe) != original.encode(probe):
-        raise RuntimeError("the saved tokenizer does not encode as the GGUF's does")
-    if not original.chat_template:
-        return
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    rendered = saved.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    expected = original.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if rendered != expected or saved.encode(rendered) != original.encode(expected):
-        raise RuntimeError("the saved tokenizer does not reproduce the GGUF chat template")
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

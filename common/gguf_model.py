@@ -82,8 +82,8 @@ def _write_prepared(path: Path, out: Path, progress: Any, with_tokenizer: bool) 
         read_metadata,
         rope_factor_tensors,
         write_json,
-        write_tokenizer,
     )
+    from common.gguf_tokenizer import write_tokenizer
 
     reader = read_gguf(path)
     metadata = read_metadata(reader)
