@@ -143,6 +143,16 @@ async def run_tenant(run: TenantRun, url: str, body: dict[str, Any], duration_s:
         await asyncio.gather(*tasks)
 
 
+async def warm_up(url: str, body: dict[str, Any], headers: dict[str, str], chat: bool) -> None:
+    """One short request of the run's prompt first, so no tenant's first request pays for a
+    fresh server's one-time work (kernel builds, the prompt's first prefill)."""
+    record = RequestRecord(0, 4)
+    async with aiohttp.ClientSession(headers=headers) as session:
+        await stream_one(session, url, body | {"max_tokens": 4}, record, chat)
+    if not record.success:
+        raise RuntimeError(f"warm-up request to {url} failed: {record.error}")
+
+
 def backlog_end(runs: list[TenantRun]) -> float:
     """When the first tenant ran out of requests to start: the earliest, over tenants, of its
     last request's first chunk. Until then every tenant had work queued (saturation, for
@@ -161,6 +171,8 @@ async def run_all(args: argparse.Namespace) -> tuple[list[TenantReport], float]:
                             "temperature": 0.0, "ignore_eos": args.ignore_eos,
                             "stream_options": {"include_usage": True}}
     body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    if args.warmup:
+        await warm_up(args.base_url + args.endpoint, body, first_key, chat)
     runs = [TenantRun(load) for load in args.tenant]
     started = time.perf_counter()
     await asyncio.gather(*(run_tenant(run, args.base_url + args.endpoint, body, args.duration,
@@ -187,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--endpoint", default=COMPLETIONS_ENDPOINT,
                         choices=(COMPLETIONS_ENDPOINT, CHAT_ENDPOINT))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="one untimed request first")
     parser.add_argument("--save-json", type=Path, default=None)
     args = parser.parse_args(argv)
     names = [load.name for load in args.tenant]

@@ -32,6 +32,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS  # None: the machine's
     max_model_len: int | None = None  # None: the model's own limit
+    # Running requests a step takes while tenants contend (engine.fair_share); None: the
+    # machine's (engine.platform.machine), or no cap where a config is built by hand
+    fair_step_rows: int | None = None
     batching: str = "continuous"  # continuous | static
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower value first, FCFS within a level)
     enable_chunked_prefill: bool = True
@@ -64,6 +67,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.fair_step_rows is not None and self.fair_step_rows < 1:
+            raise ValueError("fair_step_rows must be positive")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be continuous or static, not {self.batching!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -131,6 +136,7 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            fair_step_rows=args.fair_step_rows,
             batching=args.batching,
             scheduling_policy=args.scheduling_policy,
             enable_chunked_prefill=not args.no_enable_chunked_prefill,
@@ -189,6 +195,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "512 per core with native bf16, 256 without, 512-8192; 8192 on "
                              "CUDA)")
     engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--fair-step-rows", type=int, default=None,
+                        help="with --tenants: while tenants contend, a step runs at most this "
+                             "many running requests, those of tenants within their share first "
+                             "(default: 16 on a CPU, where a step's time grows with its rows; "
+                             "no cap on CUDA)")
     engine.add_argument("--batching", default="continuous", choices=["continuous", "static"])
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--no-enable-chunked-prefill", action="store_true")

@@ -15,6 +15,14 @@ of them is admitted before those at or over it, and takes a seat from the tenant
 over its share when none is free, so a light tenant's request does not wait for a flooding
 tenant's requests to finish.
 
+While tenants contend (two or more with requests, one holding more than its share of the
+seats), a step is kept short for the others (engine.scheduler): a waiting request of a tenant
+under its share starts in a step of its own, the rows of tenants over their share waiting that
+one step, and a step runs at most `fair_step_rows` running requests, those of tenants within
+their share first, then those that ran least recently. A light tenant's request so waits for
+one short step, not for a step of every seat's decode: on a CPU a step's time grows with its
+rows.
+
 Without tenants every request belongs to the one tenant "", and the order is plain FCFS.
 """
 
@@ -125,6 +133,36 @@ class FairShare:
         furthest = max(over, key=seat_shares.excess)
         return next(other for other in reversed(running) if other.tenant == furthest)
 
+    def tenants_to_start_first(self, running: list[Request], seats: int) -> set[str]:
+        """Tenants under their share of the seats with requests waiting, while another holds
+        more than its share: their requests start in a step of their own."""
+        if self.num_waiting_tenants == 0:
+            return set()
+        seat_shares = SeatShares.of(self, running, seats)
+        if not seat_shares.anyone_over:
+            return set()
+        return {name for name in seat_shares.active
+                if self.accounts[name].num_waiting and seat_shares.can_take(name)}
+
+    def starts_first(self, tenant: str, weight: float, running: list[Request],
+                     seats: int) -> bool:
+        """Whether a request of `tenant` queued now would start in a step of its own."""
+        seat_shares = SeatShares.of(self, running, seats, (tenant, weight))
+        return seat_shares.anyone_over and seat_shares.can_take(tenant)
+
+    def rows_left_out(self, running: list[Request], seats: int, limit: int) -> set[int]:
+        """While tenants contend, the running requests (by id()) beyond a step of `limit`
+        rows: those of tenants over their share of the seats that ran least recently go in,
+        after every row of the tenants within theirs; without contention, none."""
+        if len(running) <= limit:
+            return set()
+        seat_shares = SeatShares.of(self, running, seats)
+        if len(seat_shares.active) <= 1:
+            return set()
+        order = sorted(running, key=lambda request: (seat_shares.excess(request.tenant) > 0,
+                                                     request.last_step))
+        return {id(request) for request in order[limit:]}
+
     def pick_victim(self, running: list[Request]) -> Request:
         """The request to preempt: of the running tenant furthest over its share (largest
         counter), the most recently admitted; among equal counters, the most recently
@@ -137,32 +175,45 @@ class SeatShares:
     """The seats each tenant holds, against its weighted share of them among the tenants
     with requests running or waiting (with one such tenant, nothing is anyone's to take)."""
 
-    fair_share: FairShare
     seats: int
     held: Counter[str]
-    active: set[str]
+    weights: dict[str, float]  # of the tenants with requests running or waiting
 
     @classmethod
-    def of(cls, fair_share: FairShare, running: list[Request], seats: int) -> SeatShares:
+    def of(cls, fair_share: FairShare, running: list[Request], seats: int,
+           arriving: tuple[str, float] | None = None) -> SeatShares:
+        """`arriving`: the tenant and weight of a request not yet queued, counted as
+        waiting."""
         held = Counter(request.tenant for request in running)
-        active = {name for name, account in fair_share.accounts.items()
-                  if account.num_waiting or held[name]}
-        return cls(fair_share, seats, held, active)
+        weights = {name: account.weight for name, account in fair_share.accounts.items()
+                   if account.num_waiting or held[name]}
+        if arriving is not None:
+            tenant, weight = arriving
+            weights[tenant] = weight
+        return cls(seats, held, weights)
+
+    @property
+    def active(self) -> set[str]:
+        return set(self.weights)
 
     @property
     def total_weight(self) -> float:
-        return sum(self.fair_share.accounts[name].weight for name in self.active)
+        return sum(self.weights.values())
+
+    @property
+    def anyone_over(self) -> bool:
+        return any(self.excess(name) > 0 for name in self.weights)
 
     def share(self, tenant: str) -> float:
-        return self.seats * self.fair_share.accounts[tenant].weight / self.total_weight
+        return self.seats * self.weights[tenant] / self.total_weight
 
     def can_take(self, tenant: str) -> bool:
         """One more seat keeps the tenant within its share."""
-        return len(self.active) > 1 and self.held[tenant] + 1 <= self.share(tenant)
+        return len(self.weights) > 1 and self.held[tenant] + 1 <= self.share(tenant)
 
     def can_give(self, tenant: str) -> bool:
         """One seat fewer keeps the tenant at or over its share."""
-        return len(self.active) > 1 and self.held[tenant] - 1 >= self.share(tenant)
+        return len(self.weights) > 1 and self.held[tenant] - 1 >= self.share(tenant)
 
     def excess(self, tenant: str) -> float:
         return self.held[tenant] - self.share(tenant)

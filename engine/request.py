@@ -32,6 +32,7 @@ class Request:
     tenant_weight: float = 1.0
     timeout_s: float | None = None  # the deadline, counted from reaching the engine
     arrival_order: int = 0  # set by the scheduler: FCFS tie-break
+    last_step: int = 0  # the scheduler step that last ran it (rows taken in turns)
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

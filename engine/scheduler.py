@@ -5,7 +5,8 @@ chunk), then waiting ones while token budget, seats and free blocks allow: the f
 (or priority) order, of the tenant furthest below its fair share (engine.fair_share; without
 tenants there is one, and the order is plain FCFS). When a running request needs a block and
 none is free, the most recently admitted running request of the tenant furthest over its
-share is preempted: its blocks are freed and it recomputes later. A request whose deadline
+share is preempted: its blocks are freed and it recomputes later. While tenants contend,
+steps stay short for those under their share (engine.fair_share). A request whose deadline
 passed is dropped from the queue, or stopped with what it generated (`expire`).
 """
 
@@ -35,6 +36,7 @@ class WaitReason:
     BATCH_CLOSED = "batch_closed"  # static batching: the current batch has not finished
     PREEMPTION = "preemption"  # a request was preempted this step: admit nobody
     PREFIX_PENDING = "prefix_pending"  # a running request is computing this prompt's prefix
+    FAIR_STEP = "fair_step"  # tenants contend: a short step for those under their share
 
 
 @dataclass(slots=True)
@@ -188,14 +190,34 @@ class Scheduler:
         trace = StepTrace(step=self.step_count)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        budget = self._schedule_running(chunks, trace, budget)
         if self.config.batching == "static":
+            budget = self._schedule_running(chunks, trace, budget)
             self._admit_static_batch(chunks, trace, budget)
-        else:
+        elif not self._start_under_share_first(chunks, trace, budget):
+            left_out = self.fair_share.rows_left_out(
+                self.running, self.config.max_num_seqs,
+                self.config.fair_step_rows or self.config.max_num_seqs)
+            budget = self._schedule_running(chunks, trace, budget, left_out)
             self._admit_waiting(chunks, trace, budget)
         for chunk in chunks:
             trace.scheduled[chunk.request.request_id] = chunk.num_tokens
+            chunk.request.last_step = self.step_count
         return SchedulerOutput(chunks, trace)
+
+    def _start_under_share_first(self, chunks: list[ScheduledChunk], trace: StepTrace,
+                                 budget: int) -> bool:
+        """A step of its own for the waiting requests of tenants under their share of the
+        seats while another tenant holds more than its share; True when one started."""
+        if not self.fair_share.tenants_to_start_first(self.running, self.config.max_num_seqs):
+            return False
+        self._admit_waiting(chunks, trace, budget, under_share_only=True)
+        if not chunks:
+            return False
+        started = {id(chunk.request) for chunk in chunks}
+        for request in self.running:
+            if id(request) not in started:
+                trace.waited[request.request_id] = WaitReason.FAIR_STEP
+        return True
 
     def _chunk_size(self, request: Request, budget: int) -> int:
         return self._fit(request.num_uncomputed_tokens, budget)
@@ -207,10 +229,14 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _schedule_running(self, chunks: list[ScheduledChunk], trace: StepTrace,
-                          budget: int) -> int:
+                          budget: int, left_out: set[int] = frozenset()) -> int:
         index = 0
         while index < len(self.running):
             request = self.running[index]
+            if id(request) in left_out:
+                trace.waited[request.request_id] = WaitReason.FAIR_STEP
+                index += 1
+                continue
             num_tokens = self._chunk_size(request, budget)
             if num_tokens == 0:
                 trace.waited[request.request_id] = WaitReason.NO_BUDGET
@@ -267,10 +293,14 @@ class Scheduler:
         self._enqueue(request)
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], trace: StepTrace,
-                       budget: int) -> None:
+                       budget: int, under_share_only: bool = False) -> None:
         reason = WaitReason.PREEMPTION if trace.preempted else None
         while self.waiting and reason is None:
-            request = self.fair_share.pick_waiting(self.waiting, self.running,
+            waiting = self._waiting_under_share() if under_share_only else self.waiting
+            if not waiting:
+                reason = WaitReason.FAIR_STEP
+                break
+            request = self.fair_share.pick_waiting(waiting, self.running,
                                                    self.config.max_num_seqs)
             prefix = self.block_manager.cached_prefix(request)
             reason = self._why_not_admit(request, prefix, budget)
@@ -289,6 +319,10 @@ class Scheduler:
                 budget -= num_tokens
         for request in self.waiting:
             trace.waited[request.request_id] = reason
+
+    def _waiting_under_share(self) -> list[Request]:
+        tenants = self.fair_share.tenants_to_start_first(self.running, self.config.max_num_seqs)
+        return [request for request in self.waiting if request.tenant in tenants]
 
     def _why_not_admit(self, request: Request, prefix: CachedPrefix,
                        budget: int) -> str | None:

@@ -193,7 +193,8 @@ def test_random_tenant_workloads_finish_with_sound_kv_accounting(seed):
     scheduler = make_scheduler(num_blocks=rng.randint(6, 12), block_size=4, max_model_len=40,
                                max_num_batched_tokens=budget, max_num_seqs=rng.randint(1, 4),
                                enable_chunked_prefill=chunked,
-                               batching=rng.choice(["continuous", "static"]))
+                               batching=rng.choice(["continuous", "static"]),
+                               fair_step_rows=rng.choice([None, 1, 2]))
     weights = {tenant: rng.choice([0.5, 1.0, 3.0]) for tenant in "abc"}
     added = []
     for index in range(rng.randint(3, 10)):
@@ -270,3 +271,52 @@ def test_a_returning_tenant_lifted_to_a_tie_goes_before_the_tenant_holding_more_
     assert scheduler.fair_share.counter("b") == scheduler.fair_share.counter("a")  # lifted
     assert scheduler.fair_share.pick_waiting(scheduler.waiting, scheduler.running,
                                              4).request_id == "b1"
+
+
+def test_a_tenant_under_its_share_starts_in_a_step_of_its_own():
+    """Seats full of a flooding tenant's decodes: a light tenant's arrival runs its prefill in
+    a step without them (they wait that one step), then everyone decodes together."""
+    scheduler = make_scheduler(max_num_seqs=4)
+    add_requests(scheduler, "a", 8)
+    run_step(scheduler)
+    run_step(scheduler)  # a0..a3 decoding
+    scheduler.add(make_request("b0", prompt_len=4, max_tokens=50, tenant="b"))
+    output = run_step(scheduler)
+    assert list(output.trace.scheduled) == ["b0"] and output.trace.preempted == ["a3"]
+    assert {output.trace.waited[rid] for rid in ("a0", "a1", "a2")} == {WaitReason.FAIR_STEP}
+    output = run_step(scheduler)
+    assert sorted(output.trace.scheduled) == ["a0", "a1", "a2", "b0"]
+
+
+def test_no_step_of_its_own_without_a_tenant_over_its_share():
+    """Two tenants each within its share of the seats: arrivals join the decodes' step."""
+    scheduler = make_scheduler(max_num_seqs=8)
+    add_requests(scheduler, "a", 2)
+    run_step(scheduler)
+    scheduler.add(make_request("b0", prompt_len=4, max_tokens=50, tenant="b"))
+    output = run_step(scheduler)
+    assert sorted(output.trace.scheduled) == ["a0", "a1", "b0"]
+
+
+def test_contending_tenants_get_steps_of_fair_step_rows_rows_taken_in_turns():
+    """A flooding tenant holding 5 of 6 seats, a light one 1, at most 3 rows a step: the light
+    tenant's request runs every step, the others take turns (each at least every 3 steps)."""
+    scheduler = make_scheduler(max_num_seqs=6, fair_step_rows=3)
+    add_requests(scheduler, "a", 12, max_tokens=100)
+    run_step(scheduler)
+    scheduler.add(make_request("b0", prompt_len=4, max_tokens=100, tenant="b"))
+    run_step(scheduler)  # b0's step of its own
+    last_ran = {request.request_id: scheduler.step_count for request in scheduler.running}
+    for _ in range(12):
+        output = run_step(scheduler)
+        assert len(output.trace.scheduled) == 3 and "b0" in output.trace.scheduled
+        for request_id in output.trace.scheduled:
+            last_ran[request_id] = scheduler.step_count
+        assert all(scheduler.step_count - step < 3 for step in last_ran.values())
+
+
+def test_a_lone_tenant_is_not_held_to_fair_step_rows():
+    scheduler = make_scheduler(max_num_seqs=6, fair_step_rows=2)
+    add_requests(scheduler, "a", 6, max_tokens=10)
+    run_step(scheduler)
+    assert len(run_step(scheduler).trace.scheduled) == 6

@@ -11,8 +11,11 @@ the KV cache's size and the step's token budget, from its cores, memory and CPU 
   GEMMs run at about a third of the rate: ../PERF-NOTES), between 512 and 8192. On the 2-core
   AMX machine that is 1,024, the budget W1 measured best (docs/benchmarks.md). On CUDA:
   vLLM's online-serving default, 8,192.
-OMP_NUM_THREADS, --kv-cache-memory / --num-kv-blocks and --max-num-batched-tokens override
-each; the engine logs what it took and why.
+- Rows of a step while tenants contend (engine.fair_share): on a CPU, 16 (a step's time grows
+  with its rows: 16 rows keep a light tenant's wait near one 20 ms step on 2 cores, and run
+  on kernel tapes); on CUDA no cap (a step's time barely grows with its rows).
+OMP_NUM_THREADS, --kv-cache-memory / --num-kv-blocks, --max-num-batched-tokens and
+--fair-step-rows override each; the engine logs what it took and why.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ TOKENS_PER_CORE = {True: 512, False: 256}  # by native bf16
 TOKEN_BUDGET_RANGE = (512, 8192)
 CUDA_TOKEN_BUDGET = 8192
 CORES_FOR_THE_FRONTEND_FROM = 8
+CPU_FAIR_STEP_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,9 @@ def take_machine_defaults(config: EngineConfig, machine: Machine,
     """The token budget and (on the CPU, one rank) the thread count from the machine where
     the operator set none; one log line says which is which."""
     taken = replace(config, max_num_batched_tokens=config.max_num_batched_tokens
-                    or machine.token_budget(device))
+                    or machine.token_budget(device),
+                    fair_step_rows=config.fair_step_rows or (
+                        CPU_FAIR_STEP_ROWS if device.type == "cpu" else config.max_num_seqs))
     threads_set = "OMP_NUM_THREADS" in os.environ or config.tensor_parallel_size > 1
     if device.type == "cpu" and not threads_set:
         torch.set_num_threads(machine.threads)
