@@ -6,9 +6,9 @@ engine tests all drive this same object.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,11 +23,18 @@ from common.protocol import (
     StepOutputs,
     StepStats,
 )
+from engine.attention.forward_context import StepGaveWay
 from engine.attention.quantized_kv import cache_dtype, describe
 from engine.block_manager import BlockManager
 from engine.distributed.tensor_parallel import broadcast_int, start_worker_ranks
-from engine.executor.cuda_graphs import CudaGraphRecorder, Recorder, default_recorder
+from engine.executor.cuda_graphs import (
+    CudaGraphRecorder,
+    Recorder,
+    default_recorder,
+    graph_memory,
+)
 from engine.executor.model_runner import ModelRunner, kv_bytes_per_block
+from engine.give_way import may_give_way
 from engine.kv_cache_groups import KVCacheLayout
 from engine.kv_offload.tier import attach_disk_tier
 from engine.kv_transfer import attach_kv_transfer
@@ -167,28 +174,13 @@ class EngineCore:
                            cache_dtype=self.cache_dtype,
                            decode_tapes=not self.config.enforce_eager)
 
-    def _graph_memory(self) -> int:
-        """Bytes the decode graphs keep on the GPU: measured by recording them once over a
-        one-block cache, before the real cache is sized (and released again)."""
-        if self.recorder is None or self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
-        probe = self._make_runner(1, CudaGraphRecorder(self.device))
-        torch.cuda.synchronize(self.device)
-        held = torch.cuda.memory_reserved(self.device) - before
-        del probe
-        gc.collect()
-        torch.cuda.empty_cache()
-        logger.info("decode graphs hold %.0f MiB, kept out of the KV cache", held / 2**20)
-        return held
-
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
-            graph_bytes = self._graph_memory()
+            graph_bytes = 0 if self.recorder is None else graph_memory(
+                lambda: self._make_runner(1, CudaGraphRecorder(self.device)), self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION) - graph_bytes
         if budget is None:  # the machine's share, never more than every seat's whole context
@@ -293,7 +285,8 @@ class EngineCore:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
-    def step(self) -> StepOutputs:
+    def step(self, give_way: Callable[[], bool] | None = None) -> StepOutputs | None:
+        """One step; None where `give_way` stopped it midway (engine.give_way)."""
         started = time.perf_counter()
         self.check_ranks()  # a step with a dead rank would wait on it
         self._share_cores_with_grammar_builds()
@@ -307,7 +300,11 @@ class EngineCore:
         tokens: list[list[int]] = []
         logprobs: list = []
         if not scheduled.is_empty:
-            sampling_chunks, logits, pooled = self._execute(scheduled.chunks)
+            try:
+                sampling_chunks, logits, pooled = self._execute(
+                    scheduled.chunks, give_way if may_give_way(scheduled, self.scheduler) else None)
+            except StepGaveWay:
+                return None
             self.pooler.add(pooled)
             requests = [chunk.request for chunk in sampling_chunks]
             drafts = [chunk.draft_token_ids for chunk in sampling_chunks]
@@ -350,11 +347,12 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.finished(request)
 
-    def _execute(self, chunks: list[ScheduledChunk],
+    def _execute(self, chunks: list[ScheduledChunk], give_way: Callable[[], bool] | None,
                  ) -> tuple[list[ScheduledChunk], torch.Tensor, list[PoolSpan]]:
         samplers = [chunk.request for chunk in chunks if chunk.completes_sequence]
         try:
-            return self.runner.execute(chunks, not self.sampler.takes_raw_logits(samplers))
+            return self.runner.execute(chunks, not self.sampler.takes_raw_logits(samplers),
+                                       give_way)
         except RuntimeError as error:
             if self.workers is not None:
                 self.workers.explain(error)  # RankDied when a tensor-parallel rank is gone

@@ -16,12 +16,12 @@ over its share when none is free, so a light tenant's request does not wait for 
 tenant's requests to finish.
 
 While tenants contend (two or more with requests, one holding more than its share of the
-seats), a step is kept short for the others (engine.scheduler): a waiting request of a tenant
-under its share starts in a step of its own, the rows of tenants over their share waiting that
-one step, and a step runs at most `fair_step_rows` running requests, those of tenants within
-their share first, then those that ran least recently. A light tenant's request so waits for
-one short step, not for a step of every seat's decode: on a CPU a step's time grows with its
-rows.
+seats), steps are kept short for the others (engine.scheduler, engine.give_way): a waiting
+request of a tenant under its share starts in a step of its own (the rows of tenants over
+their share wait that one step), the step under way gives way to it where it can, and a step
+runs at most `fair_step_rows` running requests, those that ran least recently first (among
+equals, those of tenants within their share). A light tenant's request so waits for no step
+of every seat's decode: on a CPU a step's time grows with its rows.
 
 Without tenants every request belongs to the one tenant "", and the order is plain FCFS.
 """
@@ -152,15 +152,16 @@ class FairShare:
 
     def rows_left_out(self, running: list[Request], seats: int, limit: int) -> set[int]:
         """While tenants contend, the running requests (by id()) beyond a step of `limit`
-        rows: those of tenants over their share of the seats that ran least recently go in,
-        after every row of the tenants within theirs; without contention, none."""
+        rows: those that ran least recently go in (so each runs at least every
+        len(running) / limit steps), among equals those of tenants within their share of the
+        seats first; without contention, none."""
         if len(running) <= limit:
             return set()
         seat_shares = SeatShares.of(self, running, seats)
         if len(seat_shares.active) <= 1:
             return set()
-        order = sorted(running, key=lambda request: (seat_shares.excess(request.tenant) > 0,
-                                                     request.last_step))
+        order = sorted(running, key=lambda request: (request.last_step,
+                                                     seat_shares.excess(request.tenant) > 0))
         return {id(request) for request in order[limit:]}
 
     def pick_victim(self, running: list[Request]) -> Request:

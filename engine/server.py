@@ -23,6 +23,7 @@ from common.protocol import (
 )
 from common.sockets import is_tcp, make_socket
 from engine.core import EngineCore
+from engine.give_way import ArrivalWatch
 from engine.scheduler import RequestRefused
 from engine.stats_log import StatsLogger
 
@@ -60,6 +61,7 @@ class EngineServer:
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
         self.poller.register(self._wake_read, zmq.POLLIN)
+        self.arrivals = ArrivalWatch(self.requests, core.scheduler)  # read mid-step
 
     def stop(self) -> None:
         """Ends the loop after its step or poll; safe from a signal handler."""
@@ -78,7 +80,8 @@ class EngineServer:
                         self._report_idle()
                     was_busy = False
                     waiting = self.core.num_awaiting_grammar
-                    if not self._requests_arrived(GRAMMAR_POLL_MS if waiting else IDLE_POLL_MS):
+                    if not self.arrivals.held and not self._requests_arrived(
+                            GRAMMAR_POLL_MS if waiting else IDLE_POLL_MS):
                         self._stop_if_orphaned()
                         self._announce_on_new_links()
                         self._admit_constrained()
@@ -89,7 +92,9 @@ class EngineServer:
                 self._expire_deadlines()
                 if self.running and self.core.has_work:
                     was_busy = True
-                    step_outputs = self.core.step()
+                    step_outputs = self.core.step(self.arrivals)
+                    if step_outputs is None:  # it gave way to a request that just arrived
+                        continue
                     step_outputs.stats.bad_frames_total = self.num_bad_frames
                     for header, payload in self.core.kv_transfer.collect():  # before its token
                         self.outputs.send_multipart([encode(header), payload], copy=False)
@@ -143,26 +148,31 @@ class EngineServer:
             self.running = False
 
     def _drain_requests(self) -> None:
+        for parts in self.arrivals.take():  # read during the last step, in order
+            self._receive(parts)
         while self.running:
             try:
                 parts = self.requests.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            frame = parts[0].bytes
-            try:
-                message = decode_message(frame, len(parts))
-            except FrameError as exc:
-                self.num_bad_frames += 1
-                logger.warning("dropped a bad frame (%d so far): %s", self.num_bad_frames, exc)
-                request_id = refused_add_id(frame)
-                if request_id is not None:  # its sender waits: tell it
-                    self.outputs.send(encode(RequestError(
-                        request_id, f"the engine could not read the request: {exc}")))
-                continue
-            if isinstance(message, KVBlocks):
-                self.core.kv_transfer.receive(message, parts[1].buffer)
-            else:
-                self._handle(message)
+            self._receive(parts)
+
+    def _receive(self, parts: list[zmq.Frame]) -> None:
+        frame = parts[0].bytes
+        try:
+            message = decode_message(frame, len(parts))
+        except FrameError as exc:
+            self.num_bad_frames += 1
+            logger.warning("dropped a bad frame (%d so far): %s", self.num_bad_frames, exc)
+            request_id = refused_add_id(frame)
+            if request_id is not None:  # its sender waits: tell it
+                self.outputs.send(encode(RequestError(
+                    request_id, f"the engine could not read the request: {exc}")))
+            return
+        if isinstance(message, KVBlocks):
+            self.core.kv_transfer.receive(message, parts[1].buffer)
+        else:
+            self._handle(message)
 
     def _handle(self, message: Message) -> None:
         if isinstance(message, AddRequest):

@@ -10,7 +10,7 @@ import torch
 
 from engine.core import EngineCore
 from engine.executor import kernel_tape
-from engine.executor.decode_tapes import StaticDecodeInputs, StepShape
+from engine.executor.decode_tapes import MAX_TAPE_BATCH, StaticDecodeInputs, StepShape
 from engine.executor.kernel_tape import RecordingRefused, record
 from engine.kernels.elementwise import load_elementwise, run_add_rms_norm
 from tests.engine_helpers import assert_no_leaks, greedy_request, make_core
@@ -61,7 +61,7 @@ def test_taped_decodes_equal_eager_ones_token_and_logprob(tmp_path, model_type, 
     assert got == want
     tapes = taped.runner.tapes
     assert {(shape.rows, shape.requests) for shape in tapes.taped} | tapes.refused == {
-        (n, n) for n in range(1, 6)}
+        (n, n) for n in range(1, MAX_TAPE_BATCH + 1)}  # recorded at start
     if model_type == "llama":
         assert tapes.refused == set(), "the plain decoder must replay from tapes"
 
@@ -101,7 +101,8 @@ def test_a_new_thread_count_records_its_own_tape(tmp_path) -> None:
     finally:
         torch.set_num_threads(threads)
     assert got["a"] == want["a"][:6] and more["b"] == want["a"]
-    assert set(taped.runner.tapes.taped) == {StepShape(1, 1, threads), StepShape(1, 1, 1)}
+    assert set(taped.runner.tapes.taped) == {
+        *(StepShape(n, n, threads) for n in range(1, MAX_TAPE_BATCH + 1)), StepShape(1, 1, 1)}
 
 
 def test_a_forward_that_reads_a_value_stays_eager_and_correct(tmp_path, caplog) -> None:
@@ -117,6 +118,7 @@ def test_a_forward_that_reads_a_value_stays_eager_and_correct(tmp_path, caplog) 
         return forward(x, *args)
 
     layer.forward = reads_a_value
+    taped.runner.tapes.taped.clear()  # recorded at start, before the change: again
     with caplog.at_level(logging.WARNING):
         got = outputs_with_logprobs(taped, staggered_requests(1))
     assert got == outputs_with_logprobs(eager, staggered_requests(1))

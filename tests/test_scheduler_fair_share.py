@@ -299,8 +299,8 @@ def test_no_step_of_its_own_without_a_tenant_over_its_share():
 
 
 def test_contending_tenants_get_steps_of_fair_step_rows_rows_taken_in_turns():
-    """A flooding tenant holding 5 of 6 seats, a light one 1, at most 3 rows a step: the light
-    tenant's request runs every step, the others take turns (each at least every 3 steps)."""
+    """A flooding tenant holding 5 of 6 seats, a light one 1, at most 3 rows a step: every
+    request runs at least every other step, whoever holds more than its share."""
     scheduler = make_scheduler(max_num_seqs=6, fair_step_rows=3)
     add_requests(scheduler, "a", 12, max_tokens=100)
     run_step(scheduler)
@@ -309,10 +309,25 @@ def test_contending_tenants_get_steps_of_fair_step_rows_rows_taken_in_turns():
     last_ran = {request.request_id: scheduler.step_count for request in scheduler.running}
     for _ in range(12):
         output = run_step(scheduler)
-        assert len(output.trace.scheduled) == 3 and "b0" in output.trace.scheduled
+        assert len(output.trace.scheduled) == 3
         for request_id in output.trace.scheduled:
             last_ran[request_id] = scheduler.step_count
-        assert all(scheduler.step_count - step < 3 for step in last_ran.values())
+        assert all(scheduler.step_count - step < 2 for step in last_ran.values())
+
+
+def test_tenants_within_their_share_holding_more_rows_than_a_step_starve_nobody():
+    """b came first and holds 3 of 8 seats, over its share of 2 once a (weight 3, share 6)
+    holds 5; 4 rows a step: b's requests still run in turn, not only a's."""
+    scheduler = make_scheduler(max_num_seqs=8, fair_step_rows=4)
+    add_requests(scheduler, "b", 3, max_tokens=100)
+    run_step(scheduler)
+    add_requests(scheduler, "a", 5, max_tokens=100, weight=3.0)
+    run_step(scheduler)
+    assert Counter(request.tenant for request in scheduler.running) == {"a": 5, "b": 3}
+    runs: Counter[str] = Counter()
+    for _ in range(8):
+        runs.update(request_id[0] for request_id in run_step(scheduler).trace.scheduled)
+    assert runs["b"] >= 8 and runs["a"] >= 16
 
 
 def test_a_lone_tenant_is_not_held_to_fair_step_rows():

@@ -170,3 +170,45 @@ def test_a_tenant_flooding_the_queue_does_not_shut_the_other_out(
             thread.join(timeout=60)
         assert 503 in results and 200 in results, results  # alpha: some refused, some served
         assert metric(server, "loom:kv_integrity_violations_total") == 0
+
+
+def greedy(prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": TINY_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0}
+
+
+def test_steps_giving_way_to_a_tenant_under_its_share_change_no_tokens(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """alpha holds every seat with long greedy requests (more wait), beta's arrive while they
+    run: each starts in a step of its own, stopping the step under way where it arrives (2
+    rows a step; batch-invariant, so every row's tokens are its own whatever shares a step),
+    and every request's text is the one it gets alone; no KV block is lost."""
+    path = tmp_path_factory.mktemp("give-way") / "tenants.toml"
+    path.write_text(FLOOD_TENANTS)
+    server = tiny_server(shared_tiny_model(tmp_path_factory), "--num-kv-blocks", "512",
+                         "--max-num-seqs", "4", "--fair-step-rows", "2", "--batch-invariant",
+                         "--tenants", str(path))
+    with server.start(tmp_path_factory.mktemp("logs")):
+        alpha = [f"alpha asks {index} " * 3 for index in range(6)]
+        beta = [f"beta asks {index}" for index in range(3)]
+
+        def text(prompt: str, key: str, max_tokens: int) -> str:
+            status, _, body = send(server, greedy(prompt, max_tokens), key)
+            assert status == 200, body
+            return body["choices"][0]["text"]
+
+        alone = {prompt: text(prompt, KEY_A, 120) for prompt in alpha}
+        alone |= {prompt: text(prompt, KEY_B, 8) for prompt in beta}
+        together: dict[str, str] = {}
+        threads = [threading.Thread(target=lambda p=prompt: together.__setitem__(
+            p, text(p, KEY_A, 120))) for prompt in alpha]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: metric(server, "loom:num_requests_running") == 4)
+        for prompt in beta:
+            together[prompt] = text(prompt, KEY_B, 8)
+        for thread in threads:
+            thread.join(timeout=120)
+        assert together == alone
+        wait_until(lambda: metric(server, "loom:kv_cache_usage_perc") == 0)
+        assert metric(server, "loom:kv_integrity_violations_total") == 0

@@ -9,7 +9,7 @@ forward and the attention layer (or its op, when compiled) reads it back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,12 +19,18 @@ if TYPE_CHECKING:
     from engine.attention.metadata import AttentionMetadata
 
 
+class StepGaveWay(Exception):
+    """A forward stopped midway because its caller asked it to give way (engine.give_way)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardContext:
     metadata_by_group: tuple[AttentionMetadata, ...]
     backend: AttentionBackend
     # Linear products multiply at least MIN_ROWS rows this step (engine.layers.batch_invariant)
     pad_products: bool = False
+    # Asked before each attention layer: True stops the step there (engine.give_way)
+    give_way: Callable[[], bool] | None = None
 
     def metadata(self, group: int = 0) -> AttentionMetadata:
         return self.metadata_by_group[group]
@@ -35,12 +41,13 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def forward_context(metadata: AttentionMetadata | Sequence[AttentionMetadata],
-                    backend: AttentionBackend, pad_products: bool = False) -> Iterator[None]:
-    """`metadata`: the step's, or one per KV cache group; `pad_products`: see
+                    backend: AttentionBackend, pad_products: bool = False,
+                    give_way: Callable[[], bool] | None = None) -> Iterator[None]:
+    """`metadata`: the step's, or one per KV cache group; `pad_products`, `give_way`: see
     ForwardContext."""
     global _current
     by_group = tuple(metadata) if isinstance(metadata, Sequence) else (metadata,)
-    previous, _current = _current, ForwardContext(by_group, backend, pad_products)
+    previous, _current = _current, ForwardContext(by_group, backend, pad_products, give_way)
     try:
         yield
     finally:

@@ -22,6 +22,7 @@ reserved block, and that the buffers are the step's only inputs.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -270,3 +271,19 @@ def default_recorder(device: torch.device, config: EngineConfig, head_dim: int,
                        "block size")
         return None
     return CudaGraphRecorder(device)
+
+
+def graph_memory(record_probe: Callable[[], object], device: torch.device) -> int:
+    """Bytes the decode graphs keep on the GPU: measured by recording them once over a
+    one-block cache (`record_probe` builds a runner that does), before the real cache is
+    sized, and released again."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_reserved(device)
+    probe = record_probe()
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_reserved(device) - before
+    del probe
+    gc.collect()
+    torch.cuda.empty_cache()
+    logger.info("decode graphs hold %.0f MiB, kept out of the KV cache", held / 2**20)
+    return held

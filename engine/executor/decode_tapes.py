@@ -7,7 +7,8 @@ step's drafted decodes are decode rows too, each over its causal prefix, a reque
 read together as one run (engine.attention.metadata.plan_rows): such a step's shape is its
 rows and its requests. The first step of each shape (and thread count: the kernels take it
 as an argument) runs the forward over them twice, once to warm what it builds lazily and
-once recording; every later one stages its inputs and replays the tape. A shape whose
+once recording; every later one stages its inputs and replays the tape. The plain decode
+shapes are recorded when the engine starts (`record_decodes`). A shape whose
 recording is refused stays eager, logged once. Only the C++ attention backend's decode path
 reads nothing but tensors, so only it is taped.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,21 +171,29 @@ class DecodeTapes:
         self.taped: dict[StepShape, Taped] = {}
         self.refused: set[tuple[int, int]] = set()  # (rows, requests) whose recording was refused
 
+    def record_decodes(self) -> None:
+        """Records the tapes of plain decode steps (1 to max_batch rows, one a request) now,
+        over block 0 at position 0 (free before any request), so no request's step pays for
+        a recording later. Drafted steps' shapes are still recorded on first use."""
+        for rows in range(1, self.max_batch + 1):
+            self.run([0] * rows, [0] * rows, [1] * rows, [[0] * rows] * self.num_groups,
+                     [[[0]] * rows] * self.num_groups)
+
     def serves(self, num_rows: int, num_requests: int, table_width: int) -> bool:
         return (0 < num_rows <= self.max_batch and (num_rows, num_requests) not in self.refused
                 and table_width <= self.width)
 
     def run(self, token_ids: list[int], positions: list[int], query_lens: list[int],
             slot_mappings: list[list[int]], tables: list[list[list[int]]],
-            ) -> torch.Tensor | None:
+            give_way: Callable[[], bool] | None = None) -> torch.Tensor | None:
         """Hidden states [rows, hidden] of the step (the tape's output buffer: read it
         before the next step), or None where its shape's recording was refused just now
-        (the caller runs it eagerly)."""
+        (the caller runs it eagerly). A replay stops where `give_way` says so (Tape.replay)."""
         shape = StepShape(len(token_ids), len(query_lens), torch.get_num_threads())
         taped = self.taped.get(shape)
         if taped is not None:
             taped.inputs.stage(token_ids, positions, query_lens, slot_mappings, tables)
-            taped.tape.replay()
+            taped.tape.replay(give_way)
             return taped.output
         inputs = StaticDecodeInputs.allocate(shape, self.width, self.block_size,
                                              self.kv_caches[0][0].shape[1], self.num_groups)

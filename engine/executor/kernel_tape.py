@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from engine.attention.forward_context import StepGaveWay
 from engine.kernels.build import loaded_kernels
 
 aten = torch.ops.aten
@@ -55,6 +56,9 @@ class RecordingRefused(RuntimeError):
     """This forward cannot be replayed from a tape; the reason says why."""
 
 
+GIVE_WAY_EVERY = 16  # replayed calls between two asks (about half a layer)
+
+
 @dataclass(slots=True)
 class Tape:
     calls: list[Callable[[], Any]] = field(default_factory=list)
@@ -62,10 +66,20 @@ class Tape:
     # Everything the calls' addresses point into, alive as long as the tape
     keep: list[torch.Tensor] = field(default_factory=list)
 
-    def replay(self) -> None:
-        for call in self.calls:
-            if call():  # a kernel's nonzero status (ops and void kernels return None)
-                raise RuntimeError("a replayed kernel refused its arguments")
+    def replay(self, give_way: Callable[[], bool] | None = None) -> None:
+        """Runs the calls; `give_way`, asked every GIVE_WAY_EVERY calls, stops the replay
+        (StepGaveWay) where it answers True."""
+        if give_way is None:
+            for call in self.calls:
+                if call():  # a kernel's nonzero status (ops and void kernels return None)
+                    raise RuntimeError("a replayed kernel refused its arguments")
+            return
+        for start in range(0, len(self.calls), GIVE_WAY_EVERY):
+            if give_way():
+                raise StepGaveWay
+            for call in self.calls[start:start + GIVE_WAY_EVERY]:
+                if call():
+                    raise RuntimeError("a replayed kernel refused its arguments")
 
     def add(self, name: str, call: Callable[[], Any]) -> None:
         self.names.append(name)

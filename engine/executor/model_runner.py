@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -201,6 +202,7 @@ class ModelRunner:
                 and not compiled and not tensor_parallel and not batch_invariant):
             self.tapes = DecodeTapes(model, self.forward, self.kv_caches, self.attention,
                                      block_size, max_model_len, self.layout.num_groups)
+            self.tapes.record_decodes()
 
     @property
     def kv_meaning(self) -> str:
@@ -241,17 +243,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], float32_logits: bool = True,
+                give_way: Callable[[], bool] | None = None,
                 ) -> tuple[list[ScheduledChunk], torch.Tensor, list[PoolSpan]]:
         """Runs the step; returns the chunks that sample a token, their float32 logits
         (`float32_logits=False`: in the model's dtype where the model leaves them so), and
-        the embedding requests' pooled rows."""
+        the embedding requests' pooled rows. A step replayed from a kernel tape stops
+        (StepGaveWay) where `give_way` says so between its kernels; one tensor-parallel rank
+        alone never does."""
         inputs = StepInputs.gather(chunks, self.block_size, self.layout.num_groups)
         if self.tensor_parallel:
             broadcast_step(inputs.pack())
-        return inputs.sampling_chunks, self.run(inputs, float32_logits), inputs.pooling
+            give_way = None
+        return inputs.sampling_chunks, self.run(inputs, float32_logits, give_way), \
+            inputs.pooling
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, float32_logits: bool = True) -> torch.Tensor:
+    def run(self, inputs: StepInputs, float32_logits: bool = True,
+            give_way: Callable[[], bool] | None = None) -> torch.Tensor:
         """The step's forward; float32 logits of its sample rows (in the runner's buffer:
         read them before the next step)."""
         graphs = self.graphs
@@ -262,7 +270,7 @@ class ModelRunner:
                                 inputs.seq_lens, inputs.block_tables)
             return self._logits(inputs, hidden, float32_logits)
         if self.tapes is not None and inputs.rows_are_decodes and not inputs.pooling:
-            hidden = self._replayed(inputs)
+            hidden = self._replayed(inputs, give_way)
             if hidden is not None:
                 return self._logits(inputs, hidden, float32_logits)
         drafted = frozenset(inputs.drafted)
@@ -280,14 +288,15 @@ class ModelRunner:
         extra = self.kernels.min_rows - len(token_ids) if pad else 0
         if extra > 0:
             token_ids, positions = token_ids + [0] * extra, positions + [0] * extra
-        with forward_context(metadata, self.attention, pad_products=pad):
+        with forward_context(metadata, self.attention, pad_products=pad, give_way=give_way):
             hidden = self.forward(int_tensor(token_ids, self.device),
                                   int_tensor(positions, self.device), self.kv_caches)
             for span in inputs.pooling:
                 pool_rows(span, hidden, self.model.model.norm)
             return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
 
-    def _replayed(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _replayed(self, inputs: StepInputs,
+                  give_way: Callable[[], bool] | None) -> torch.Tensor | None:
         """The step's hidden states from a tape, or None where none serves it."""
         assert self.tapes is not None
         width = max((len(table) for tables in inputs.block_tables for table in tables),
@@ -295,7 +304,7 @@ class ModelRunner:
         if not self.tapes.serves(len(inputs.token_ids), len(inputs.query_lens), width):
             return None
         return self.tapes.run(inputs.token_ids, inputs.positions, inputs.query_lens,
-                              inputs.slot_mappings, inputs.block_tables)
+                              inputs.slot_mappings, inputs.block_tables, give_way)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor,
                 float32_logits: bool) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.forward_context import current_context
+from engine.attention.forward_context import StepGaveWay, current_context
 from engine.attention.key_smoothing import KeySmoothing, KeyStatistics
 from engine.attention.op import paged_attention_op
 
@@ -36,6 +36,8 @@ class PagedAttention(nn.Module):
         if self.key_smoothing is not None:
             q, k = self.key_smoothing.apply(q, k)
         context = current_context()
+        if context.give_way is not None and context.give_way():
+            raise StepGaveWay
         metadata = context.metadata(self.kv_group)
         tokens = metadata.slot_mapping.shape[0]
         if q.shape[0] == tokens:
