@@ -14,6 +14,8 @@ request, and keeps them for after the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import zmq
 
 from common.protocol import AddRequest, FrameError, decode_message
@@ -42,9 +44,9 @@ class ArrivalWatch:
     """Mid-step reads of the engine's request socket: the frames it took are kept for the
     server's next drain; `__call__` says whether one of them starts in a step of its own."""
 
-    def __init__(self, socket: zmq.Socket, scheduler: Scheduler) -> None:
+    def __init__(self, socket: zmq.Socket, scheduler: Callable[[], Scheduler]) -> None:
         self.socket = socket
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # the engine's, looked up when a frame arrives
         self.held: list[list[zmq.Frame]] = []
 
     def __call__(self) -> bool:
@@ -66,6 +68,6 @@ class ArrivalWatch:
             return False  # the drain reports it
         if not isinstance(message, AddRequest) or message.sampling.grammars:
             return False  # a constrained request waits for its grammar first
-        scheduler = self.scheduler
+        scheduler = self.scheduler()
         return scheduler.fair_share.starts_first(message.tenant, message.tenant_weight,
                                                  scheduler.running, scheduler.config.max_num_seqs)

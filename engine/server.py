@@ -61,7 +61,7 @@ class EngineServer:
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
         self.poller.register(self._wake_read, zmq.POLLIN)
-        self.arrivals = ArrivalWatch(self.requests, core.scheduler)  # read mid-step
+        self.arrivals = ArrivalWatch(self.requests, lambda: core.scheduler)  # read mid-step
 
     def stop(self) -> None:
         """Ends the loop after its step or poll; safe from a signal handler."""

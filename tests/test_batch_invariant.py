@@ -63,8 +63,8 @@ def capture_logits(core: EngineCore) -> dict[str, list[torch.Tensor]]:
     captured: dict[str, list[torch.Tensor]] = defaultdict(list)
     execute = core._execute
 
-    def recording(chunks):
-        sampling, logits, pooled = execute(chunks)
+    def recording(chunks, give_way=None):
+        sampling, logits, pooled = execute(chunks, give_way)
         for chunk, row in zip(sampling, logits, strict=True):
             captured[chunk.request.request_id].append(row.clone())
         return sampling, logits, pooled
@@ -259,8 +259,8 @@ def capture_verified_logits(core: EngineCore) -> list[tuple[str, int, list[int],
     records: list[tuple[str, int, list[int], torch.Tensor]] = []
     execute = core._execute
 
-    def recording(chunks):
-        sampling, logits, pooled = execute(chunks)
+    def recording(chunks, give_way=None):
+        sampling, logits, pooled = execute(chunks, give_way)
         offset = 0
         for chunk in sampling:
             rows = 1 + len(chunk.draft_token_ids)

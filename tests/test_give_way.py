@@ -149,7 +149,8 @@ def flooded_scheduler():
 
 def test_the_watch_gives_way_to_a_tenant_under_its_share_and_keeps_every_frame(socket_pair):
     push, pull = socket_pair
-    watch = ArrivalWatch(pull, flooded_scheduler())
+    scheduler = flooded_scheduler()
+    watch = ArrivalWatch(pull, lambda: scheduler)
     assert not watch()  # nothing arrived
     push.send(add_frame("a9", "a"))
     assert not watch_until(watch, 1)  # the flooding tenant's own request
