@@ -19,8 +19,8 @@ While tenants contend (two or more with requests, one holding more than its shar
 seats), steps are kept short for the others (engine.scheduler, engine.give_way): a waiting
 request of a tenant under its share starts in a step of its own (the rows of tenants over
 their share wait that one step), the step under way gives way to it where it can, and a step
-runs at most `fair_step_rows` running requests, those that ran least recently first (among
-equals, those of tenants within their share). A light tenant's request so waits for no step
+runs at most `fair_step_rows` running requests: each tenant within its share its share of
+them, the others least recently run first. A light tenant's request so waits for no step
 of every seat's decode: on a CPU a step's time grows with its rows.
 
 Without tenants every request belongs to the one tenant "", and the order is plain FCFS.
@@ -152,16 +152,25 @@ class FairShare:
 
     def rows_left_out(self, running: list[Request], seats: int, limit: int) -> set[int]:
         """While tenants contend, the running requests (by id()) beyond a step of `limit`
-        rows: those that ran least recently go in (so each runs at least every
-        len(running) / limit steps), among equals those of tenants within their share of the
-        seats first; without contention, none."""
+        rows: first each tenant within its share of the seats its share of the step's rows
+        (its least recently run), then the others by how recently they ran (so none waits
+        more than about len(running) / limit steps); without contention, none."""
         if len(running) <= limit:
             return set()
         seat_shares = SeatShares.of(self, running, seats)
         if len(seat_shares.active) <= 1:
             return set()
-        order = sorted(running, key=lambda request: (request.last_step,
-                                                     seat_shares.excess(request.tenant) > 0))
+        by_recency = sorted(running, key=lambda request: request.last_step)
+        quota = {name: int(limit * weight / seat_shares.total_weight)
+                 for name, weight in seat_shares.weights.items()
+                 if seat_shares.excess(name) <= 0}
+        first = []
+        for request in by_recency:
+            if quota.get(request.tenant, 0) > 0:
+                quota[request.tenant] -= 1
+                first.append(request)
+        chosen = {id(request) for request in first}
+        order = first + [request for request in by_recency if id(request) not in chosen]
         return {id(request) for request in order[limit:]}
 
     def pick_victim(self, running: list[Request]) -> Request:
