@@ -197,9 +197,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--fair-step-rows", type=int, default=None,
                         help="with --tenants: while tenants contend, a step runs at most this "
-                             "many running requests, those of tenants within their share first "
-                             "(default: 16 on a CPU, where a step's time grows with its rows; "
-                             "no cap on CUDA)")
+                             "many running requests, each tenant within its share its share of "
+                             "them, the others in turns (default: 16 on a CPU, where a step's "
+                             "time grows with its rows; no cap on CUDA)")
     engine.add_argument("--batching", default="continuous", choices=["continuous", "static"])
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--no-enable-chunked-prefill", action="store_true")

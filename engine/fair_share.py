@@ -139,16 +139,13 @@ class FairShare:
         if self.num_waiting_tenants == 0:
             return set()
         seat_shares = SeatShares.of(self, running, seats)
-        if not seat_shares.anyone_over:
-            return set()
         return {name for name in seat_shares.active
-                if self.accounts[name].num_waiting and seat_shares.can_take(name)}
+                if self.accounts[name].num_waiting and seat_shares.starts_first(name)}
 
     def starts_first(self, tenant: str, weight: float, running: list[Request],
                      seats: int) -> bool:
         """Whether a request of `tenant` queued now would start in a step of its own."""
-        seat_shares = SeatShares.of(self, running, seats, (tenant, weight))
-        return seat_shares.anyone_over and seat_shares.can_take(tenant)
+        return SeatShares.of(self, running, seats, (tenant, weight)).starts_first(tenant)
 
     def rows_left_out(self, running: list[Request], seats: int, limit: int) -> set[int]:
         """While tenants contend, the running requests (by id()) beyond a step of `limit`
@@ -220,6 +217,11 @@ class SeatShares:
     def can_take(self, tenant: str) -> bool:
         """One more seat keeps the tenant within its share."""
         return len(self.weights) > 1 and self.held[tenant] + 1 <= self.share(tenant)
+
+    def starts_first(self, tenant: str) -> bool:
+        """The tenant's next request starts in a step of its own: it is under its share
+        while another holds more than theirs."""
+        return self.anyone_over and self.can_take(tenant)
 
     def can_give(self, tenant: str) -> bool:
         """One seat fewer keeps the tenant at or over its share."""
