@@ -8,8 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.executor.model_runner import ModelRunner
 from engine.platform import huge_pages
-from engine.platform.huge_pages import HUGE_PAGE_BYTES, populate, prefault, zeros_on_huge_pages
+from engine.platform.huge_pages import (
+    HUGE_PAGE_BYTES,
+    populate,
+    prefault,
+    skews,
+    zeros_on_huge_pages,
+)
+from engine.weights.loader import load_model
+from tests.model_fixtures import build_tiny_llama_dir
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -42,6 +51,43 @@ def test_a_large_cache_is_zeroed_aligned_and_shaped() -> None:
     assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
     cache.fill_(1)  # all of it is writable memory of its own
     assert cache.float().sum().item() == cache.numel()
+
+
+def most_fresh_pages_opened_by_one_block(caches: list[torch.Tensor]) -> int:
+    """Over block ids (dim 0), the most caches whose block starts a huge page or crosses
+    into one: the pages a step that first writes that block maps together."""
+    most = 0
+    for block in range(caches[0].shape[0]):
+        opened = 0
+        for cache in caches:
+            start = cache[block].data_ptr()
+            end = start + cache[block].numel() * cache.element_size()
+            opened += start % HUGE_PAGE_BYTES == 0 or start // HUGE_PAGE_BYTES != (
+                end - 1) // HUGE_PAGE_BYTES
+        most = max(most, opened)
+    return most
+
+
+def test_skewed_caches_open_their_fresh_pages_at_different_blocks() -> None:
+    shape = (1200, 3, 16, 64)  # 6 KiB blocks in bf16, 341 to a huge page
+    cpu = torch.device("cpu")
+    aligned = [zeros_on_huge_pages(shape, torch.bfloat16, cpu) for _ in range(12)]
+    assert most_fresh_pages_opened_by_one_block(aligned) == 12
+    skewed = [zeros_on_huge_pages(shape, torch.bfloat16, cpu, skew) for skew in skews(12)]
+    assert most_fresh_pages_opened_by_one_block(skewed) == 1
+    for cache, skew in zip(skewed, skews(12), strict=True):
+        assert cache.data_ptr() % 64 == 0 and not cache.any()
+        assert cache.data_ptr() % HUGE_PAGE_BYTES == int(skew * HUGE_PAGE_BYTES) // 64 * 64
+        cache.fill_(1)  # all of it is writable memory of its own
+        assert cache.float().sum().item() == cache.numel()
+
+
+def test_the_runners_caches_are_skewed(tmp_path: Path) -> None:
+    model = load_model(build_tiny_llama_dir(tmp_path), torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, 4096, 16, torch.device("cpu"), torch.float32)
+    caches = [cache for pair in runner.kv_caches for cache in pair]
+    assert caches[0].numel() * caches[0].element_size() > HUGE_PAGE_BYTES  # on huge pages
+    assert most_fresh_pages_opened_by_one_block(caches) == 1
 
 
 def test_a_small_tensor_is_an_ordinary_one() -> None:

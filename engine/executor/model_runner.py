@@ -26,7 +26,7 @@ from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
 from engine.layers.pinned_attributes import pin_attributes
 from engine.platform.host_copy import int_tensor
-from engine.platform.huge_pages import prefault, zeros_on_huge_pages
+from engine.platform.huge_pages import prefault, skews, zeros_on_huge_pages
 from engine.pooling.pooler import PoolSpan, pool_rows
 from engine.scheduler import ScheduledChunk
 
@@ -174,8 +174,9 @@ class ModelRunner:
         *shape, head_dim = model.kv_cache_shape(num_blocks + 1, block_size)
         shape = (*shape, row_width(head_dim, cache_dtype))
         # Zeroed, not empty: padded tails of blocks are read (and masked) by attention.
-        storage = [(zeros_on_huge_pages(shape, cache_dtype, device),
-                    zeros_on_huge_pages(shape, cache_dtype, device))
+        skew = iter(skews(2 * self.layout.group_size))
+        storage = [(zeros_on_huge_pages(shape, cache_dtype, device, next(skew)),
+                    zeros_on_huge_pages(shape, cache_dtype, device, next(skew)))
                    for _ in range(self.layout.group_size)]
         # The pool hands out low block ids first: their pages are mapped now, not mid-step.
         caches = list(itertools.chain.from_iterable(storage))

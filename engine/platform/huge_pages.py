@@ -8,7 +8,8 @@ arrives; on 2 MiB pages one TLB entry covers hundreds of blocks (docs/benchmarks
 mapping, advised before its pages are first touched. A fresh mapping reads as zeros without
 being written: a large cache takes memory as blocks are used. A page's first touch is dear,
 though (on the 2-vCPU VM of docs/benchmarks.md, ~2 ms per 2 MiB page: a decode step that
-opened new blocks in every layer's cache paid ~15 ms), so `prefault` maps the blocks the
+opened new blocks in every layer's cache paid ~15 ms, and far more where every layer's cache
+crossed into a fresh huge page at once: `skews`), so `prefault` maps the blocks the
 pool hands out first at start: in a thread where the kernel can do it without writing
 (`MADV_POPULATE_WRITE`, Linux 5.14), so the engine does not wait ~0.6 s for 512 MiB of a
 fresh VM's pages before it serves. Elsewhere the cache is an ordinary zeroed tensor.
@@ -34,19 +35,31 @@ PAGE_BYTES = 4096
 MADV_POPULATE_WRITE = 23
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
-    """torch.zeros(shape), on 2 MiB pages where the platform gives them."""
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                        skew: float = 0.0) -> torch.Tensor:
+    """torch.zeros(shape), on 2 MiB pages where the platform gives them, starting `skew` (0 to
+    1) of a huge page past a page boundary (cache-line aligned). Caches given different skews
+    open their fresh pages at different block ids, one at a time (`skews`)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    # One huge page more than needed, so that the tensor can start on a 2 MiB boundary.
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Two huge pages more than needed: one to start on a 2 MiB boundary, one for the skew.
+    mapping = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE_BYTES,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while it lives
-    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES + int(skew * HUGE_PAGE_BYTES) // 64 * 64
     return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def skews(count: int) -> list[float]:
+    """Evenly spread skews for `count` caches indexed by the same block ids. With one skew for
+    all, the block id that crosses into a fresh 2 MiB page does so in every cache at once: a
+    step that opened the default model's 60 fresh pages together took ~320 ms instead of ~45
+    on a 2-vCPU VM, every ~8 s under load until the whole cache had been used once. Spread,
+    such a step opens one or two."""
+    return [index / count for index in range(count)]
 
 
 def populate(tensor: torch.Tensor, nbytes: int) -> None:
