@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from common.config import EngineConfig
 from common.curve import CurveKeys, load_secret
+from common.gc_heap import freeze_startup_heap
 from common.protocol import encode
 from common.sockets import is_tcp
 
@@ -64,10 +65,12 @@ def main() -> int:
         if is_tcp(args.requests_addr) or is_tcp(args.outputs_addr):
             curve = CurveKeys.derive(load_secret(None))  # the secret comes in the environment
         server = EngineServer(core, args.requests_addr, args.outputs_addr, curve)
+        frozen = freeze_startup_heap()
         if args.ready_fd is not None:
             with os.fdopen(args.ready_fd, "wb") as ready_pipe:
                 ready_pipe.write(encode(core.ready_message))
-        logging.getLogger("loom.engine").info("ready: %s", core.ready_message)
+        logging.getLogger("loom.engine").info("ready: %s (%d startup objects frozen out of the "
+                                              "garbage collector)", core.ready_message, frozen)
         stop.server = server
         server.serve_forever()
     finally:  # SIGTERM may come at any point: tensor-parallel ranks are told to stop

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import disable_created_metrics
 
+from common.gc_heap import freeze_startup_heap
 from common.protocol import FrameError, Ready
 from frontend.app import GUARD, create_app
 from frontend.cli import add_frontend_args, check_kv_roles, check_tenant_args
@@ -191,12 +192,14 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         if stop.is_set():
             return
+        frozen = freeze_startup_heap()
         site = GuardedSite(runner, args.host, args.port, app[GUARD])
         await site.start()
         logger.info("serving %s on http://%s:%d (at most %d connections; requests must "
-                    "arrive within %g s, idle connections close after %g s)", served_name,
-                    args.host, args.port, settings.max_connections, args.request_read_timeout,
-                    args.keep_alive_timeout)
+                    "arrive within %g s, idle connections close after %g s; %d startup objects "
+                    "frozen out of the garbage collector)", served_name, args.host, args.port,
+                    settings.max_connections, args.request_read_timeout,
+                    args.keep_alive_timeout, frozen)
         await stop.wait()
         await drain(app, args.shutdown_timeout)
     finally:

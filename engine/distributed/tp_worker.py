@@ -14,6 +14,7 @@ import logging
 import sys
 
 from common.config import EngineConfig
+from common.gc_heap import freeze_startup_heap
 
 
 def main() -> int:
@@ -57,8 +58,9 @@ def main() -> int:
     layout = KVCacheLayout.for_model(model.config, not config.disable_hybrid_kv_cache_manager)
     runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, layout=layout,
                          cache_dtype=cache_dtype(config.kv_cache_dtype, dtype))
-    logger.info("ready: %d of %d KV heads, %d KV blocks", model.num_local_kv_heads,
-                model.config.num_key_value_heads, num_blocks)
+    logger.info("ready: %d of %d KV heads, %d KV blocks (%d startup objects frozen out of the "
+                "garbage collector)", model.num_local_kv_heads, model.config.num_key_value_heads,
+                num_blocks, freeze_startup_heap())
     while (packed := receive_step()) is not None:
         runner.run(StepInputs.unpack(packed))
     dist.barrier(group=host_group())  # rank 0 waits for this before closing the group
