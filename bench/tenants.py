@@ -14,6 +14,7 @@ report gives, per tenant: requests done, refused (HTTP status counts), TTFT p50 
 output tokens (the server's usage counts), its share of all output tokens, and its share in
 the window (`window`): output received while arrivals went on and every tenant still had a
 request to start. A burst (RATE `inf`) that outlasts --duration keeps a tenant saturated.
+Each tenant's requests go out from a client process of its own, as separate clients' would.
 
 To measure issue 32's fairness figures: find the server's capacity C (requests/s that
 bench.serve sustains), then run heavy at 4C and light at 0.2C against `--tenants` and
@@ -27,9 +28,11 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from bench.run_result import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
 from bench.serve import STREAM_READ_TIMEOUT_S, arrival_offsets, served_model, stream_one
 
 PROMPT_WORD = "loom "  # about one token each with most tokenizers
+PROCESS_START_S = 2.0  # for each tenant's client process to start (~0.6 s here)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,22 @@ async def run_tenant(run: TenantRun, url: str, body: dict[str, Any], duration_s:
         await asyncio.gather(*tasks)
 
 
+def run_tenant_process(load: TenantLoad, url: str, body: dict[str, Any], duration_s: float,
+                       burst: int, seed: int, chat: bool, start_at: float) -> list[RequestRecord]:
+    """One tenant's load in a process of its own, as a separate client would send it: a
+    client busy streaming a flooding tenant's answers delays the light tenant's chunks
+    (its event loop lagged up to 136 ms in a 60 s run), which no server can help.
+    Arrivals start at `start_at` (perf_counter, which all processes here share)."""
+    run = TenantRun(load)
+
+    async def send() -> None:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        await run_tenant(run, url, body, duration_s, burst, seed, chat)
+
+    asyncio.run(send())
+    return run.records
+
+
 async def warm_up(url: str, body: dict[str, Any], headers: dict[str, str], chat: bool) -> None:
     """One short request of the run's prompt first, so no tenant's first request pays for a
     fresh server's one-time work (kernel builds, the prompt's first prefill)."""
@@ -173,12 +193,18 @@ async def run_all(args: argparse.Namespace) -> tuple[list[TenantReport], float]:
     body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     if args.warmup:
         await warm_up(args.base_url + args.endpoint, body, first_key, chat)
-    runs = [TenantRun(load) for load in args.tenant]
-    started = time.perf_counter()
-    await asyncio.gather(*(run_tenant(run, args.base_url + args.endpoint, body, args.duration,
-                                      args.burst, args.seed + index, chat)
-                           for index, run in enumerate(runs)))
+    loop = asyncio.get_running_loop()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(args.tenant), mp_context=spawn) as pool:
+        started = time.perf_counter() + PROCESS_START_S
+        records = await asyncio.gather(*(
+            loop.run_in_executor(pool, run_tenant_process, load, args.base_url + args.endpoint,
+                                 body, args.duration, args.burst, args.seed + index, chat,
+                                 started)
+            for index, load in enumerate(args.tenant)))
     duration = time.perf_counter() - started
+    runs = [TenantRun(load, tenant_records)
+            for load, tenant_records in zip(args.tenant, records, strict=True)]
     window_end = min(started + args.duration, backlog_end(runs))
     return with_shares([TenantReport.of(run.load, run.records, window_end)
                         for run in runs]), duration
