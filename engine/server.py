@@ -41,17 +41,22 @@ class EngineServer:
     def __init__(self, core: EngineCore, requests_addr: str, outputs_addr: str,
                  curve: CurveKeys | None = None) -> None:
         self.core = core
-        self.context = zmq.Context()
         remote = is_tcp(requests_addr) or is_tcp(outputs_addr)
         if remote and curve is None:
             raise ValueError("an engine on tcp needs CURVE keys (common.curve)")
         secure = curve.secure_client if remote and curve is not None else None
-        self.requests = make_socket(self.context, zmq.PULL, requests_addr, bind=not remote,
-                                    secure=secure)
-        self.outputs = make_socket(self.context, zmq.PUSH, outputs_addr, bind=not remote,
-                                   secure=secure)
-        self.link_events = self.outputs.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILURES) if remote else None
+        self.context = zmq.Context()
+        try:
+            self.requests = make_socket(self.context, zmq.PULL, requests_addr,
+                                        bind=not remote, secure=secure)
+            self.outputs = make_socket(self.context, zmq.PUSH, outputs_addr, bind=not remote,
+                                       secure=secure)
+            self.link_events = self.outputs.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILURES) if remote else None
+        except BaseException:
+            # An open socket would make the context's garbage collection wait on it forever.
+            self.context.destroy(linger=0)
+            raise
         self.refusals = 0  # failed handshakes with the frontend (logged on the first)
         self.stats_logger = StatsLogger()
         self.num_bad_frames = 0

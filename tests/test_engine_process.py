@@ -172,3 +172,24 @@ def test_stop_ends_an_idle_wait_for_requests_at_once():
     finally:
         server.close()
         endpoints.remove()
+
+
+def test_a_server_whose_sockets_fail_to_open_leaves_no_context_behind(monkeypatch, tmp_path):
+    """Its requests socket bound, its outputs socket refused: the open socket would make the
+    context's garbage collection wait on it for ever (a test run once hung on that)."""
+    contexts: list[zmq.Context] = []
+
+    class RecordedContext(zmq.Context):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            contexts.append(self)
+
+    monkeypatch.setattr(zmq, "Context", RecordedContext)
+    endpoints = Endpoints.private_ipc()
+    try:
+        with pytest.raises(zmq.ZMQError):
+            EngineServer(SimpleNamespace(), endpoints.requests,
+                         f"ipc://{tmp_path}/no-such-directory/outputs")
+    finally:
+        endpoints.remove()
+    assert len(contexts) == 1 and contexts[0].closed
