@@ -53,10 +53,14 @@ def make_socket(context: zmq.Context, kind: int, address: str, bind: bool,
     socket.setsockopt(zmq.MAXMSGSIZE, 256 * 1024 * 1024)
     if secure is not None:
         secure(socket)
-    if bind:
-        socket.bind(address)
-    else:
-        socket.connect(address)
+    try:
+        if bind:
+            socket.bind(address)
+        else:
+            socket.connect(address)
+    except zmq.ZMQError:
+        socket.close(linger=0)  # else the context's term waits on it
+        raise
     return socket
 
 

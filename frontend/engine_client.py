@@ -89,28 +89,22 @@ class EngineClient:
         # What the other engines serve (set by EnginePool): a remote engine must match it.
         self.peers_model: Callable[[], Ready | None] = lambda: None
         self._refusal_logged_at = -math.inf
+        if self.remote and curve is None:
+            raise ValueError(f"engine {rank} is on tcp: its link needs CURVE keys")
         self._context = zmq.asyncio.Context()
         # Sends are never awaited: an ABORT must go out from a `finally` of a cancelled
         # task or a closing generator, so the request socket is a plain socket used with
         # NOBLOCK (its high-water mark is generous) on the same libzmq context.
         self._sync_context = zmq.Context.shadow(self._context.underlying)
-        secure = None
         self._authenticator: AsyncioAuthenticator | None = None
-        if self.remote:
-            if curve is None:
-                raise ValueError(f"engine {rank} is on tcp: its link needs CURVE keys")
-            # The ZAP handler runs before any socket binds: no handshake goes unchecked.
-            self._authenticator = AsyncioAuthenticator(self._context)
-            self._authenticator.start()
-            self._authenticator.configure_curve_callback("*", EngineKeyCheck(curve, rank))
-            secure = curve.secure_server
-        self._requests = make_socket(self._sync_context, zmq.PUSH, requests_addr,
-                                     bind=self.remote, secure=secure)
-        self._outputs = make_socket(self._context, zmq.PULL, outputs_addr, bind=self.remote,
-                                    secure=secure)
-        self._monitor = self._outputs.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
-        )
+        try:
+            self._open_sockets(requests_addr, outputs_addr, curve)
+        except BaseException:
+            # An open socket would make the context's garbage collection wait on it forever.
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            self._context.term()
+            raise
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
         # Where a prefill leg's KV_BLOCKS go (frontend.disaggregation), by request id.
         self.kv_sinks: dict[str, Callable[[list[zmq.Frame]], None]] = {}
@@ -121,6 +115,31 @@ class EngineClient:
         self._shutdown_reason: str | None = None  # set by fail_all: no new requests either
         self.last_stats = StepStats()
         self.last_step = -1
+
+    def _open_sockets(self, requests_addr: str, outputs_addr: str,
+                      curve: CurveKeys | None) -> None:
+        secure = None
+        if self.remote and curve is not None:
+            # The ZAP handler runs before any socket binds: no handshake goes unchecked.
+            self._authenticator = AsyncioAuthenticator(self._context)
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback("*", EngineKeyCheck(curve, self.rank))
+            secure = curve.secure_server
+        opened: list[zmq.Socket] = []
+        try:
+            self._requests = make_socket(self._sync_context, zmq.PUSH, requests_addr,
+                                         bind=self.remote, secure=secure)
+            opened.append(self._requests)
+            self._outputs = make_socket(self._context, zmq.PULL, outputs_addr,
+                                        bind=self.remote, secure=secure)
+            opened.append(self._outputs)
+            self._monitor = self._outputs.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
+            )
+        except BaseException:
+            for socket in opened:
+                socket.close(linger=0)
+            raise
 
     def start(self) -> None:
         self._tasks = [

@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from common.curve import CurveKeys
 from common.protocol import (
@@ -170,3 +172,28 @@ async def test_remote_engines_must_serve_the_model_of_the_first_to_join() -> Non
     finally:
         for engine_client in clients:
             await engine_client.close()
+
+
+async def test_a_client_whose_sockets_fail_to_open_leaves_no_context_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tcp link whose outputs port is taken: the requests socket it bound first and the
+    ZAP handler are closed with the context, which would otherwise wait on them for ever."""
+    contexts: list[zmq.asyncio.Context] = []
+
+    class RecordedContext(zmq.asyncio.Context):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            contexts.append(self)
+
+    monkeypatch.setattr(zmq.asyncio, "Context", RecordedContext)
+    keys = CurveKeys.derive(b"a test secret of enough bytes")
+    holder = zmq.Context()
+    taken = holder.socket(zmq.PULL)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(zmq.ZMQError):
+            EngineClient(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{port}",
+                         curve=keys)
+    finally:
+        holder.destroy(linger=0)
+    assert len(contexts) == 1 and contexts[0].closed
