@@ -97,14 +97,7 @@ class EngineClient:
         # NOBLOCK (its high-water mark is generous) on the same libzmq context.
         self._sync_context = zmq.Context.shadow(self._context.underlying)
         self._authenticator: AsyncioAuthenticator | None = None
-        try:
-            self._open_sockets(requests_addr, outputs_addr, curve)
-        except BaseException:
-            # An open socket would make the context's garbage collection wait on it forever.
-            if self._authenticator is not None:
-                self._authenticator.stop()
-            self._context.term()
-            raise
+        self._open_sockets(requests_addr, outputs_addr, curve)
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
         # Where a prefill leg's KV_BLOCKS go (frontend.disaggregation), by request id.
         self.kv_sinks: dict[str, Callable[[list[zmq.Frame]], None]] = {}
@@ -118,15 +111,18 @@ class EngineClient:
 
     def _open_sockets(self, requests_addr: str, outputs_addr: str,
                       curve: CurveKeys | None) -> None:
-        secure = None
-        if self.remote and curve is not None:
-            # The ZAP handler runs before any socket binds: no handshake goes unchecked.
-            self._authenticator = AsyncioAuthenticator(self._context)
-            self._authenticator.start()
-            self._authenticator.configure_curve_callback("*", EngineKeyCheck(curve, self.rank))
-            secure = curve.secure_server
+        """Where one fails, what opened is closed and the context ended: an open socket
+        would make the context's garbage collection wait on it for ever."""
         opened: list[zmq.Socket] = []
         try:
+            secure = None
+            if self.remote and curve is not None:
+                # The ZAP handler runs before any socket binds: no handshake goes unchecked.
+                self._authenticator = AsyncioAuthenticator(self._context)
+                self._authenticator.start()
+                self._authenticator.configure_curve_callback("*", EngineKeyCheck(curve,
+                                                                                 self.rank))
+                secure = curve.secure_server
             self._requests = make_socket(self._sync_context, zmq.PUSH, requests_addr,
                                          bind=self.remote, secure=secure)
             opened.append(self._requests)
@@ -134,11 +130,13 @@ class EngineClient:
                                         bind=self.remote, secure=secure)
             opened.append(self._outputs)
             self._monitor = self._outputs.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
-            )
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         except BaseException:
             for socket in opened:
                 socket.close(linger=0)
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            self._context.term()
             raise
 
     def start(self) -> None:
