@@ -13,9 +13,12 @@ step's inputs, the interpreter between ops.
 Modes: `eager` runs every step's forward op by op (`--enforce-eager`); `taped` as the engine
 runs by default, small decode steps replayed from kernel tapes (engine.executor.decode_tapes),
 each replayed call timed and classed by its kernel in steps of their own, without the
-profiler, interleaved with the unprofiled ones (the profiler's share is then scaled over
-what runs outside the tapes only); a prefill step runs as in `eager`, so this mode profiles
-none; `compiled` through torch.compile.
+profiler, interleaved with the unprofiled ones; a prefill step runs as in `eager`, so this mode
+profiles none; `compiled` through torch.compile. In every mode the linears and the C++
+attention kernels outside the tapes are timed the same way (TIMED_CALLS): the profiler's
+overhead falls on Python frames, and its classes are scaled down to the unprofiled wall time
+over what no timed call covers only (scaled with the rest, a batch-64 step's GEMMs read ~20%
+short).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch import nn
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
@@ -64,6 +68,8 @@ from engine.layers.rotary import Rotary, RotaryTables
 from engine.platform.cpu import kernel_flags
 from engine.quantization import base as quantization_base
 from engine.quantization import int4, int8, q8_0, w8a8
+from engine.quantization.base import QuantizedLinear
+from engine.quantization.unquantized import PackedLinear
 from engine.sampling import logits_processors, sampler
 
 CLASSES = ("GEMM", "attention", "KV write", "norms", "rope", "activation", "sampler",
@@ -148,10 +154,63 @@ def timed_replays(class_us: dict[str, float]) -> Iterator[None]:
         Tape.replay = untimed  # type: ignore[method-assign]
 
 
-def in_tape(event: FunctionEvent) -> bool:
-    """An op or frame inside a replayed call (timed_replays counts those)."""
-    frames = [event.name] if is_python_frame(event.name) else []
-    return any(TAPE_FILE in frame for frame in [*frames, *python_callers(event)])
+# Calls timed whole outside the tapes: the profiler's own overhead falls on Python frames, so
+# scaling its classes down to the unprofiled wall time would shrink these kernels' share too.
+TIMED_CALLS: tuple[tuple[str, type, str], ...] = (
+    ("GEMM", QuantizedLinear, "forward"),
+    ("GEMM", PackedLinear, "forward"),
+    ("GEMM", nn.Linear, "forward"),
+    ("attention", CpuBackend, "attend_kernel_rows"),
+)
+TIMED_SCOPES = [_line_range(getattr(owner, name)) for _, owner, name in TIMED_CALLS]
+
+
+@contextmanager
+def timed_calls(class_us: dict[str, float]) -> Iterator[None]:
+    """TIMED_CALLS timed from the outermost entry of their class to its return (a quantized
+    linear calls its dense copy, a PackedLinear), added to the class."""
+    depth = Counter[str]()
+
+    def timed(op_class: str, call: Callable) -> Callable:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            depth[op_class] += 1
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                depth[op_class] -= 1
+                if depth[op_class] == 0:
+                    class_us[op_class] += (time.perf_counter() - started) * 1e6
+        return wrapper
+
+    originals = [(owner, name, vars(owner)[name]) for _, owner, name in TIMED_CALLS]
+    for (op_class, owner, name), (_, _, call) in zip(TIMED_CALLS, originals, strict=True):
+        setattr(owner, name, timed(op_class, call))
+    try:
+        yield
+    finally:
+        for owner, name, call in originals:
+            setattr(owner, name, call)
+
+
+def in_timed_call(event: FunctionEvent) -> bool:
+    """An op or frame inside a replayed tape or a TIMED_CALLS call (timed apart from the
+    profiler)."""
+    frames = [*([event.name] if is_python_frame(event.name) else []), *python_callers(event)]
+    return any(TAPE_FILE in frame or frame_in(frame, TIMED_SCOPES) for frame in frames)
+
+
+def frame_in(frame: str, scopes: list[tuple[str, range]]) -> bool:
+    """Whether a Python frame "path/file.py(line): function" lies in one of `scopes`."""
+    path, line = frame_location(frame)
+    return any(path.endswith(file_name) and line in lines for file_name, lines in scopes)
+
+
+def frame_location(frame: str) -> tuple[str, int]:
+    """(path, line) of a Python frame "path/file.py(line): function"; line -1 if it has none."""
+    file_part, _, _ = frame.partition(": ")
+    path, _, line = file_part.rstrip(")").rpartition("(")
+    return path, int(line) if line.isdigit() else -1
 
 
 def is_python_frame(name: str) -> bool:
@@ -168,12 +227,9 @@ def python_callers(event: FunctionEvent) -> Iterator[str]:
 
 def scope_of(frame: str) -> str | None:
     """The class of a Python frame "path/file.py(line): function", if one of SCOPES."""
-    file_part, _, _ = frame.partition(": ")
-    path, _, line = file_part.rstrip(")").rpartition("(")
-    if not line.isdigit():
-        return None
+    path, line = frame_location(frame)
     return next((op_class for op_class, file_name, lines in SCOPES
-                 if path.endswith(file_name) and int(line) in lines), None)
+                 if path.endswith(file_name) and line in lines), None)
 
 
 def classify(event: FunctionEvent) -> str:
@@ -211,17 +267,17 @@ class StepProfile:
 
 def profile_steps(core: EngineCore, label: str, run_step: Callable[[], None],
                   steps: int) -> StepProfile:
-    """Median wall time of `steps` steps, each followed by one whose replayed tapes' calls are
-    timed call by call (the two kinds interleaved: this machine's speed drifts); then the op
-    classes of `steps` more outside the tapes, from the profiler, scaled to the wall time the
-    tapes leave."""
+    """Median wall time of `steps` steps, each followed by one whose replayed tapes' calls and
+    TIMED_CALLS are timed call by call (the two kinds interleaved: this machine's speed
+    drifts); then the op classes of `steps` more outside those calls, from the profiler, scaled
+    to the wall time the timed calls leave."""
     walls = []
-    taped_us = dict.fromkeys(CLASSES, 0.0)
+    timed_us = dict.fromkeys(CLASSES, 0.0)
     for _ in range(steps):
         started = time.perf_counter()
         run_step()
         walls.append(time.perf_counter() - started)
-        with timed_replays(taped_us):
+        with timed_replays(timed_us), timed_calls(timed_us):
             run_step()
     outside_us = dict.fromkeys(CLASSES, 0.0)
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
@@ -234,16 +290,17 @@ def profile_steps(core: EngineCore, label: str, run_step: Callable[[], None],
     engine_thread = ops_by_thread.most_common(1)[0][0]
     for event in events:
         if event.thread == engine_thread and event.self_cpu_time_total > 0 \
-                and not event.name.startswith(("## ", "Torch-Compiled")) and not in_tape(event):
+                and not event.name.startswith(("## ", "Torch-Compiled")) \
+                and not in_timed_call(event):
             outside_us[classify(event)] += event.self_cpu_time_total
     # Profiled ops run slower than unprofiled ones (the profiler's own Python frames most of
-    # all): scale the classes outside the tapes to the unprofiled wall the tapes leave.
+    # all): scale the classes outside the timed calls to the unprofiled wall those leave.
     wall_ms = statistics.median(walls) * 1000
-    taped_ms = {name: us / steps / 1000 for name, us in taped_us.items()}
-    left_ms = max(wall_ms - sum(taped_ms.values()), 0.0)
+    timed_ms = {name: us / steps / 1000 for name, us in timed_us.items()}
+    left_ms = max(wall_ms - sum(timed_ms.values()), 0.0)
     profiled_ms = sum(outside_us.values()) / steps / 1000
     scale = min(1.0, left_ms / profiled_ms) if profiled_ms else 1.0
-    class_ms = {name: taped_ms[name] + us * scale / steps / 1000
+    class_ms = {name: timed_ms[name] + us * scale / steps / 1000
                 for name, us in outside_us.items()}
     return StepProfile(label, wall_ms, class_ms)
 
