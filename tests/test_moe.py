@@ -100,27 +100,27 @@ def moe_int4_kernel_serves() -> bool:
 
 
 def random_packed_experts(experts: int, n: int, k: int,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scales_and_zeros) of random 4-bit experts and the kernel's layout of them."""
     generator = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (experts, n, k), dtype=torch.uint8, generator=generator)
     scale = torch.rand(experts, k // 32, n, generator=generator) * 0.1 + 0.01
     zero = torch.randn(experts, k // 32, n, generator=generator) * 0.1
     scales_and_zeros = torch.stack([scale, zero], dim=-1).bfloat16()
-    return q, scales_and_zeros, *pack_experts(q, scales_and_zeros)
+    return q, scales_and_zeros, pack_experts(q, scales_and_zeros)
 
 
 def test_grouped_int4_kernel_is_float_math_on_the_codes_and_rows_keep_their_bits() -> None:
     if not moe_int4_kernel_serves():
         pytest.skip("the grouped int4 kernel needs AVX512-BF16")
     experts, n, k = 6, 96, 128  # 6 tiles: spans of 4, 2 and 1 tiles
-    q, scales_and_zeros, codes, scales = random_packed_experts(experts, n, k)
-    unpacked = unpack_experts(codes, scales)
+    q, scales_and_zeros, blocks = random_packed_experts(experts, n, k)
+    unpacked = unpack_experts(blocks)
     assert torch.equal(unpacked[0], q) and torch.equal(unpacked[1], scales_and_zeros)
     counts = torch.tensor([1, 0, 2, 3, 9, 20])  # every rows-per-call template, > 8 in blocks
     starts = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
     x = torch.randn(int(counts.sum()), k).bfloat16()
-    y = run_moe_int4(x, counts, codes, scales)
+    y = run_moe_int4(x, counts, blocks)
     scale, zero = (part.transpose(1, 2).repeat_interleave(32, 2)
                    for part in scales_and_zeros.float().unbind(-1))
     weights = (q.float() - 8) * scale + zero
@@ -134,8 +134,8 @@ def test_grouped_int4_kernel_is_float_math_on_the_codes_and_rows_keep_their_bits
         for row in range(rows.start, rows.stop):
             one = torch.zeros(experts, dtype=torch.int64)
             one[expert] = 1
-            assert torch.equal(run_moe_int4(x[row:row + 1], one, codes, scales), y[row:row + 1])
-        assert torch.equal(run_moe_int4(x[rows], alone, codes, scales), y[rows])
+            assert torch.equal(run_moe_int4(x[row:row + 1], one, blocks), y[row:row + 1])
+        assert torch.equal(run_moe_int4(x[rows], alone, blocks), y[rows])
 
 
 def test_experts_are_packed_where_linears_are_and_compute_the_same() -> None:

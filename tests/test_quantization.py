@@ -179,7 +179,7 @@ def test_bf16_int4_layers_read_their_codes_up_to_the_grouped_kernels_rows() -> N
     generator = torch.Generator().manual_seed(4)
     layer = Int4Linear(torch.randn(96, 64, generator=generator).bfloat16(), None)
     grouped = moe_int4.kernel_serves(torch.bfloat16, 32, 96, 64)
-    assert (layer.grouped_codes is not None) == grouped
+    assert (layer.grouped_blocks is not None) == grouped
     assert layer.kernel_rows == (GROUPED_KERNEL_ROWS if grouped else layer.max_kernel_rows)
     kernel_rows = layer.kernel_rows
     attach_dense_copies([layer])

@@ -17,6 +17,7 @@ from engine.kernels.build import I64, INT, PTR, kernel_enabled, load_library
 
 GROUP = 32  # input channels per scale and zero
 TILE = 16  # output channels per tile: one vector of fp32 sums
+CODE_BYTES = TILE * GROUP // 2  # a tile's codes of one group, before its scales and zeros
 
 
 def kernel_serves(dtype: torch.dtype, group_size: int, n: int, k: int) -> bool:
@@ -25,42 +26,45 @@ def kernel_serves(dtype: torch.dtype, group_size: int, n: int, k: int) -> bool:
             and load_moe_int4_kernel() is not None)
 
 
-def pack_experts(codes: torch.Tensor, scales_and_zeros: torch.Tensor,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_experts(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """The kernel's layout (see moe_int4.cpp) of q [E, n, k] in 0..15 and scales_and_zeros
-    [E, k / 32, n, 2] (bf16, W = (q - 8)·s + z): (codes uint8 [E, n / 16, k / 32, 256],
-    scales bf16 [E, n / 16, k / 32, 2, 16])."""
+    [E, k / 32, n, 2] (bf16, W = (q - 8)·s + z): blocks uint8 [E, n / 16, k / 32, 320], each
+    a tile's 256 bytes of codes of one group, then its 16 scales and 16 zeros (bf16)."""
     experts, n, k = codes.shape
     groups, tiles = k // GROUP, n // TILE
     # k = 32·group + 4·chunk + 2·nibble + pair; a byte holds (channel, pair) of one chunk.
     q = codes.to(torch.uint8).reshape(experts, tiles, TILE, groups, 8, 2, 2)
     q = q.permute(0, 1, 3, 4, 2, 6, 5)  # expert, tile, group, chunk, channel, pair, nibble
-    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(experts, tiles, groups, 256).contiguous()
+    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(experts, tiles, groups, CODE_BYTES)
     scales = scales_and_zeros.to(torch.bfloat16).reshape(experts, groups, tiles, TILE, 2)
-    scales = scales.permute(0, 2, 1, 4, 3).contiguous()  # expert, tile, group, s/z, channel
-    return packed, scales
+    scales = scales.permute(0, 2, 1, 4, 3)  # expert, tile, group, s/z, channel
+    scale_bytes = scales.contiguous().view(torch.uint8).reshape(experts, tiles, groups, -1)
+    return torch.cat([packed, scale_bytes], dim=-1).contiguous()
 
 
-def unpack_experts(codes: torch.Tensor, scales: torch.Tensor,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `pack_experts`."""
-    experts, tiles, groups = codes.shape[:3]
+def unpack_experts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_experts`: (q [E, n, k] uint8, scales_and_zeros [E, k / 32, n, 2]
+    bf16)."""
+    experts, tiles, groups = blocks.shape[:3]
+    codes = blocks[..., :CODE_BYTES]
     nibbles = torch.stack([codes & 15, codes >> 4], dim=-1)
     q = nibbles.reshape(experts, tiles, groups, 8, TILE, 2, 2).permute(0, 1, 4, 2, 3, 6, 5)
     q = q.reshape(experts, tiles * TILE, groups * GROUP)
+    scales = blocks[..., CODE_BYTES:].contiguous().view(torch.bfloat16)
+    scales = scales.reshape(experts, tiles, groups, 2, TILE)
     scales_and_zeros = scales.permute(0, 2, 1, 4, 3).reshape(experts, groups, tiles * TILE, 2)
     return q, scales_and_zeros
 
 
-def run_moe_int4(x: torch.Tensor, counts: torch.Tensor | None, codes: torch.Tensor,
-                 scales: torch.Tensor) -> torch.Tensor:
+def run_moe_int4(x: torch.Tensor, counts: torch.Tensor | None, blocks: torch.Tensor,
+                 ) -> torch.Tensor:
     """y [rows, n] bf16: x's rows (bf16 [rows, k]) grouped by expert, counts[e] of them
-    (int64 [E]; None: one expert, all its rows) times expert e's weight transposed; codes and
-    scales as `pack_experts` makes them."""
+    (int64 [E]; None: one expert, all its rows) times expert e's weight transposed; blocks as
+    `pack_experts` makes them."""
     library = load_moe_int4_kernel()
     assert library is not None
     x = x.contiguous()
-    experts, tiles, groups = codes.shape[:3]
+    experts, tiles, groups = blocks.shape[:3]
     n, k = tiles * TILE, groups * GROUP
     counts_ok = experts == 1 if counts is None else (counts.dtype == torch.int64
                                                      and counts.shape == (experts,))
@@ -71,8 +75,8 @@ def run_moe_int4(x: torch.Tensor, counts: torch.Tensor | None, codes: torch.Tens
     y = x.new_empty((x.shape[0], n))
     status = library.loom_moe_int4(x.data_ptr(), x.shape[0],
                                    None if counts is None else counts.contiguous().data_ptr(),
-                                   experts, codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
-                                   n, k, torch.get_num_threads())
+                                   experts, blocks.data_ptr(), y.data_ptr(), n, k,
+                                   torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the moe int4 kernel refused its arguments ({status})")
     return y
@@ -119,7 +123,7 @@ def load_moe_int4_kernel() -> ctypes.CDLL | None:
         return None
     library = load_library("moe_int4", "per-expert layers", {
         "loom_moe_int4_available": ([], ctypes.c_int),
-        "loom_moe_int4": ([PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I64, INT], ctypes.c_int),
+        "loom_moe_int4": ([PTR, I64, PTR, I64, PTR, PTR, I64, I64, INT], ctypes.c_int),
         "loom_moe_group": ([PTR, I64, I64, I64, PTR, I64, PTR, PTR, PTR], ctypes.c_int),
         "loom_moe_combine": ([PTR, PTR, PTR, I64, I64, I64, PTR, INT], None)})
     if library is None or not library.loom_moe_int4_available():

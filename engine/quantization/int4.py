@@ -74,11 +74,9 @@ class Int4Linear(QuantizedLinear):
         grouped = (on_cpu and self.weight_only and kernel_enabled("LOOM_CPU_INT4_GROUPED")
                    and moe_int4.kernel_serves(dtype, self.group_size, self.out_features,
                                               self.in_features))
-        codes, scales = (moe_int4.pack_experts(q[None], scales_and_zeros[None]) if grouped
-                         else (None, None))
-        self.register_buffer("grouped_codes", codes)
-        self.register_buffer("grouped_scales", scales)
-        self._grouped_args = (codes, scales) if grouped else None
+        blocks = moe_int4.pack_experts(q[None], scales_and_zeros[None]) if grouped else None
+        self.register_buffer("grouped_blocks", blocks)
+        self._grouped_args = (blocks,) if grouped else None
         if grouped:
             self.kernel_rows = GROUPED_KERNEL_ROWS
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -114,8 +112,8 @@ class Int4Linear(QuantizedLinear):
         0..15; the kernel's fp32 path is far slower)."""
         if self.nibbles is not None:
             return unpack_nibbles(self.nibbles)
-        if self.grouped_codes is not None:
-            return moe_int4.unpack_experts(self.grouped_codes, self.grouped_scales)[0][0]
+        if self.grouped_blocks is not None:
+            return moe_int4.unpack_experts(self.grouped_blocks)[0][0]
         if self.packed is None:
             return self.q
         if self._loading_codes is not None:

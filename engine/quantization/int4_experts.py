@@ -20,17 +20,15 @@ class Int4Experts(nn.Module):
         first = experts[0]
         self.out_features, self.in_features = first.out_features, first.in_features
         self.group_size = first.group_size
-        if all(expert.grouped_codes is not None for expert in experts):
+        if all(expert.grouped_blocks is not None for expert in experts):
             # Each expert already holds the kernel's layout (as a weight of one expert).
-            packed = torch.cat([expert.grouped_codes for expert in experts])
-            scales = torch.cat([expert.grouped_scales for expert in experts])
+            blocks = torch.cat([expert.grouped_blocks for expert in experts])
         else:
             codes = torch.stack([expert.codes() for expert in experts])
             scales_and_zeros = torch.stack([expert.scales_and_zeros for expert in experts])
-            packed, scales = pack_experts(codes, scales_and_zeros)
-        self.register_buffer("codes", packed)
-        self.register_buffer("scales", scales)
-        self._args = (packed, scales)
+            blocks = pack_experts(codes, scales_and_zeros)
+        self.register_buffer("blocks", blocks)
+        self._args = (blocks,)
 
     @staticmethod
     def serve(layers: list[nn.Module]) -> bool:
@@ -44,8 +42,7 @@ class Int4Experts(nn.Module):
 
     def dequantized_weight(self, expert: int) -> torch.Tensor:
         """Expert `expert`'s (q - 8)·s + z in float32 [out, in], as Int4Linear's."""
-        q, scales_and_zeros = unpack_experts(self.codes[expert:expert + 1],
-                                             self.scales[expert:expert + 1])
+        q, scales_and_zeros = unpack_experts(self.blocks[expert:expert + 1])
         scale, zero = (part.T.repeat_interleave(self.group_size, 1)
                        for part in scales_and_zeros[0].float().unbind(-1))
         return (q[0].float() - INT4_ZERO_POINT) * scale + zero
@@ -54,6 +51,6 @@ class Int4Experts(nn.Module):
         return run_moe_int4(x, counts, *self._args)
 
     def extra_repr(self) -> str:
-        experts = self.codes.shape[0]
+        experts = self.blocks.shape[0]
         return (f"experts={experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, int4 grouped kernel")

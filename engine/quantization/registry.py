@@ -70,7 +70,7 @@ def quantization_summary(model: nn.Module) -> str:
     text = " + ".join(f"{count} {method}" for method, count in counts.most_common()) + " linears"
     if isinstance(first, Int4Linear):
         text += f" (groups of {first.group_size}"
-        text += ", the grouped AVX512-BF16 kernel)" if first.grouped_codes is not None else ")"
+        text += ", the grouped AVX512-BF16 kernel)" if first.grouped_blocks is not None else ")"
     if isinstance(first.dense, PackedLinear):
         text += (f"; steps above {first.kernel_rows} tokens on a packed "
                  f"{first.dense.packed_weight.dtype} copy")
