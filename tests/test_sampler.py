@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from common.sampling import SamplingParams
+from engine.kernels.sampling import load_sampling
 from engine.request import Request
+from engine.sampling import sampler as sampler_module
 from engine.sampling.logits_processors import process_logits
 from engine.sampling.sampler import Sampler, first_max_index, greedy_tokens
 
@@ -26,13 +28,28 @@ def request(output: list[int] | None = None, prompt: list[int] | None = None,
     return made
 
 
-def sample_many(params: dict, draws: int = 400, logits: torch.Tensor = LOGITS) -> set[int]:
+def draw_many(params: dict, draws: int = 400, logits: torch.Tensor = LOGITS) -> list[int]:
     sampler = Sampler(torch.device("cpu"), seed=1)
     rows = [request(**params) for _ in range(draws)]
     for index, row in enumerate(rows):
         row.request_id = f"r{index}"
     batch = logits.expand(draws, -1).clone()
-    return set(sampler.sample(batch, rows, frozenset([EOS])).token_ids)
+    return sampler.sample(batch, rows, frozenset([EOS])).token_ids
+
+
+def sample_many(params: dict, draws: int = 400, logits: torch.Tensor = LOGITS) -> set[int]:
+    return set(draw_many(params, draws, logits))
+
+
+@pytest.fixture(params=["C++", "torch"])
+def sampling_path(request, monkeypatch) -> str:
+    """Every test that takes it runs on the CPU kernel and on the torch path (the one other
+    devices take)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module, "load_sampling", lambda: None)
+    elif load_sampling() is None:
+        pytest.skip("the C++ sampling kernel does not build here")
+    return request.param
 
 
 def probabilities(logits: torch.Tensor) -> list[float]:
@@ -76,13 +93,14 @@ def ranked(logits: torch.Tensor) -> list[int]:
     ids=["greedy", "top_k=1", "top_k=3", "top_p=0.5", "top_p=0.8", "top_k+top_p", "min_p",
          "bias-greedy", "bias-sampled", "bias-ban-all-but-one"],
 )
-def test_sampled_tokens_stay_in_the_reference_support(params, expected_support):
+def test_sampled_tokens_stay_in_the_reference_support(params, expected_support,
+                                                     sampling_path):
     assert sample_many(params) <= expected_support
     if len(expected_support) > 1:
         assert len(sample_many(params)) > 1  # it really samples
 
 
-def test_top_k_one_equals_greedy_on_random_rows():
+def test_top_k_one_equals_greedy_on_random_rows(sampling_path):
     torch.manual_seed(0)
     logits = torch.randn(32, 1000)
     rows = [request(temperature=0.9, top_k=1) for _ in range(32)]
@@ -138,7 +156,7 @@ def test_logprobs_are_the_models_log_softmax():
     assert plain.logprobs == [None]
 
 
-def test_a_seeded_request_samples_the_same_alone_or_in_a_batch():
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(sampling_path):
     torch.manual_seed(0)
     vocab = 500
     steps = [torch.randn(vocab) for _ in range(10)]
@@ -188,11 +206,15 @@ def test_greedy_rows_of_a_strided_view_are_read_in_place() -> None:
     assert torch.equal(greedy_tokens(view), view.max(dim=-1).indices)
 
 
-def test_plain_greedy_batches_skip_the_float32_copy_and_others_do_not() -> None:
+def test_plain_batches_skip_the_float32_copy_and_others_do_not() -> None:
+    """Greedy and plain random rows (temperature, top_k, top_p, min_p) read the output
+    projection's own logits; edits and logprobs need float32."""
     sampler = Sampler(torch.device("cpu"), seed=1)
     plain = [request(temperature=0.0), request(temperature=0.0)]
     assert sampler.takes_raw_logits(plain)
-    for params in ({"temperature": 1.0}, {"temperature": 0.0, "logprobs": 2},
+    assert sampler.takes_raw_logits([*plain, request(temperature=0.8, top_p=0.9, top_k=20,
+                                                     min_p=0.05)])
+    for params in ({"temperature": 1.0, "logprobs": 0}, {"temperature": 0.0, "logprobs": 2},
                    {"temperature": 0.0, "logit_bias": {3: 5.0}},
                    {"temperature": 0.0, "repetition_penalty": 1.2},
                    {"temperature": 0.0, "min_tokens": 3}):
@@ -202,3 +224,49 @@ def test_plain_greedy_batches_skip_the_float32_copy_and_others_do_not() -> None:
     # A bf16 batch that needs edits is widened first, never edited in bf16.
     biased = [request(temperature=0.0, logit_bias={8: 100.0}), request(temperature=0.0)]
     assert sampler.sample(raw, biased, frozenset([EOS])).token_ids == [8, 5]
+
+
+def filtered_probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                           min_p: float) -> torch.Tensor:
+    """The distribution a row's filters leave, computed here in float64 from the
+    definitions: min_p, then top_k, then the smallest top_p prefix of what is left."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+    order = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
+    kept = order[:top_k] if top_k > 0 else order
+    mass = sum(float(probs[i]) for i in kept)
+    prefix, before = [], 0.0
+    for token in kept:
+        if before >= top_p * mass:
+            break
+        prefix.append(token)
+        before += float(probs[token])
+    result = torch.zeros_like(probs)
+    result[prefix] = probs[prefix]
+    return result / result.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
+    (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.3, 40, 1.0, 0.0), (1.0, 0, 0.7, 0.0),
+    (0.8, 30, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.7, 50, 0.95, 0.01),
+], ids=["T=1", "T=0.6", "top_k", "top_p", "top_k+top_p", "min_p", "all"])
+def test_random_rows_follow_their_filtered_distribution(sampling_path, dtype, temperature,
+                                                        top_k, top_p, min_p) -> None:
+    """20,000 draws over a 1,000-token vocabulary (its logits' scale like a model's, no two
+    alike even in bf16: ties order as each path likes): the support is exactly the filters'
+    and the frequencies match the probabilities within a total variation that chance alone
+    exceeds with probability < 1e-4."""
+    generator = torch.Generator().manual_seed(3)
+    pool = torch.unique((torch.randn(20_000, generator=generator) * 3).bfloat16().float())
+    logits = pool[torch.randperm(len(pool), generator=generator)[:1000]].to(dtype)
+    draws = 20_000
+    tokens = draw_many({"temperature": temperature, "top_k": top_k, "top_p": top_p,
+                        "min_p": min_p}, draws, logits)
+    want = filtered_probabilities(logits.float(), temperature, top_k, top_p, min_p)
+    seen = torch.bincount(torch.tensor(tokens), minlength=len(want)).double() / draws
+    assert set(tokens) <= set(want.nonzero().flatten().tolist())
+    support = int((want > 0).sum())
+    # E[TV] <= sqrt(support / draws) / 2; its deviation is bounded by McDiarmid's inequality
+    bound = 0.5 * math.sqrt(support / draws) + math.sqrt(math.log(1e4) / (2 * draws))
+    assert 0.5 * float((seen - want).abs().sum()) < bound

@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-from engine.kernels.sampling import argmax_rows, load_sampling
+from engine.kernels.sampling import (
+    RowFilters,
+    argmax_rows,
+    kernel_reads,
+    load_sampling,
+    sample_rows,
+)
 from engine.platform.host_copy import device_tensor, download, int_tensor
 from engine.request import Request
 from engine.sampling.logits_processors import edits_logits, process_logits
@@ -40,26 +46,18 @@ class Sampler:
 
     @staticmethod
     def takes_raw_logits(requests: list[Request]) -> bool:
-        """Every row is a plain argmax (greedy, no edits, no logprobs): the logits need no
-        float32 copy."""
-        return all(request.sampling.greedy and request.sampling.logprobs is None
-                   and not edits_logits(request) for request in requests)
+        """No row edits its logits or asks for logprobs: the sampler reads the output
+        projection's own logits (no float32 copy)."""
+        return all(request.sampling.logprobs is None and not edits_logits(request)
+                   for request in requests)
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
                eos_token_ids: frozenset[int]) -> SampleResult:
         """logits: raw [len(requests), vocab], float32 unless `takes_raw_logits(requests)`;
         one token id per request."""
-        if self.takes_raw_logits(requests):
-            token_ids, = download(greedy_tokens(logits))
-            return SampleResult(list(map(int, token_ids)), [None] * len(requests))
-        logits = logits.float()
-        processed = process_logits(logits, requests, eos_token_ids)
-        greedy = [request.sampling.greedy for request in requests]
-        sampled = first_max_index(processed)
-        if not all(greedy):
-            randomly = self._sample_random(processed, requests, greedy)
-            sampled = torch.where(device_tensor(greedy, torch.bool, logits.device), sampled,
-                                  randomly)
+        if not self.takes_raw_logits(requests):
+            logits = logits.float()  # edits and logprobs are float32 math
+        sampled = self._draw(process_logits(logits, requests, eos_token_ids), requests)
         wanted = [request.sampling.logprobs for request in requests]
         if all(n is None for n in wanted):
             token_ids, = download(sampled)
@@ -70,9 +68,41 @@ class Sampler:
         return SampleResult(list(map(int, token_ids)),
                             self._logprob_rows(wanted, rows, top_n, *logprob_lists))
 
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's token from its (edited) logits: greedy rows their first maximum, the
+        others a draw. On the CPU one C++ pass over the rows as they are; elsewhere torch."""
+        greedy = [request.sampling.greedy for request in requests]
+        if all(greedy):
+            return greedy_tokens(logits)
+        if kernel_reads(logits) and (library := load_sampling()) is not None:
+            return sample_rows(library, logits, self._row_filters(requests, greedy))
+        logits = logits.float()
+        randomly = self._sample_random(logits, requests, greedy)
+        return torch.where(device_tensor(greedy, torch.bool, logits.device),
+                           first_max_index(logits), randomly)
+
+    def _row_filters(self, requests: list[Request], greedy: list[bool]) -> RowFilters:
+        """The C++ sampler's per-row parameters; a uniform draw for each row that samples,
+        a seeded row's from its own generator (the unseeded ones share one draw)."""
+        uniforms = torch.zeros(len(requests), dtype=torch.float64)
+        unseeded = [row for row, request in enumerate(requests)
+                    if request.sampling.seed is None and not greedy[row]]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64,
+                                            generator=self.default_generator)
+        for row, request in enumerate(requests):
+            if request.sampling.seed is not None and not greedy[row]:
+                uniforms[row] = torch.rand((), dtype=torch.float64,
+                                           generator=self._generator_for(request))
+        params = [request.sampling for request in requests]
+        return RowFilters(
+            temperatures=[0.0 if greedy[row] else p.temperature for row, p in enumerate(params)],
+            top_ks=[p.top_k for p in params], top_ps=[p.top_p for p in params],
+            min_ps=[p.min_p for p in params], uniforms=uniforms)
+
     def _sample_random(self, logits: torch.Tensor, requests: list[Request],
                        greedy: list[bool]) -> torch.Tensor:
-        """Samples every row (greedy rows are overridden by the caller). A seeded row is
+        """Samples every row in torch (greedy rows are overridden by the caller). A seeded row is
         sampled alone, from its own generator: its candidates, their order and its noise
         then depend on nothing else in the batch, so its tokens are the same whatever shares
         its steps. The unseeded rows share one draw from the default generator."""
@@ -166,8 +196,7 @@ class Sampler:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum: one C++ pass over the rows as they are on the CPU (bf16 or
     fp32), torch's max elsewhere."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
-            and logits.stride(-1) == 1 and (library := load_sampling()) is not None:
+    if kernel_reads(logits) and (library := load_sampling()) is not None:
         return argmax_rows(library, logits)
     return first_max_index(logits)
 

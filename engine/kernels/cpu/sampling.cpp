@@ -1,6 +1,24 @@
-// Greedy sampling over a step's raw logits (fp32 or bf16 as the output projection left
-// them): each row's first index of its largest value, one pass, no fp32 copy of the rows.
+// Sampling over a step's logits (fp32 or bf16 as the output projection left them, or as
+// edits left them), no fp32 copy of the rows. Greedy: each row's first index of its largest
+// value, one pass.
+//
+// Random: one row per OpenMP iteration, no noise per token: each row draws one uniform u
+// (from the caller, so seeds stay the caller's) and takes the token where u times the kept
+// mass falls in the cumulative sum of the kept weights (inverse CDF).
+//
+// A row's weights are w = exp((logit - max) / T), so the largest is 1 and a float's bits
+// order the weights as their values. min_p keeps w >= min_p (p / p_max = w). top_k and top_p
+// need the largest weights in order: a histogram of the weights' top bits finds the bucket
+// where the k-th weight (or the top_p mass) lies, and only the weights from that bucket up
+// are sorted (larger weight first, then lower index). top_k applies before top_p, and top_p
+// keeps the smallest prefix whose mass reaches top_p of what is left (the weight crossing it
+// kept), as the torch path in engine/sampling/sampler.py does. T <= 0 (greedy) takes the
+// row's first maximum.
 #include "numerics.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -73,4 +91,173 @@ extern "C" void loom_argmax_rows(int is_bf16, const void* logits, int64_t rows, 
     argmax_rows(static_cast<const uint16_t*>(logits), rows, width, stride, out, threads);
   else
     argmax_rows(static_cast<const float*>(logits), rows, width, stride, out, threads);
+}
+
+namespace {
+
+struct Params {
+  float temperature, top_p, min_p;
+  int64_t top_k;
+  double uniform;  // in [0, 1)
+};
+
+struct Weighted {
+  float weight;
+  int64_t index;
+};
+
+constexpr int kBucketShift = 19;  // 16 buckets an octave
+constexpr int64_t kBuckets = (0x3F800000 >> kBucketShift) + 1;  // weights in [0, 1]
+constexpr int64_t kWalkBlock = 256;  // the inverse CDF walks sums of this many weights first
+constexpr float kLowestExponent = -87.f;  // below: weight 0 (fast_exp's clamp)
+
+inline int64_t bucket_of(float weight) {
+  return int64_t(__builtin_bit_cast(uint32_t, weight) >> kBucketShift);
+}
+
+// w[i] = exp((row[i] - max) / T), 0 below min_p's floor; returns the largest logit's index.
+template <typename T>
+int64_t weights_of(const T* row, int64_t width, const Params& p, float* w) {
+  const int64_t argmax = first_max(row, width);
+  const float best = to_float(row[argmax]);
+  const float inv_t = 1.f / p.temperature;
+  const float floor = std::max(p.min_p > 0.f ? std::log(p.min_p) : -INFINITY, kLowestExponent);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    const float x = (to_float(row[i]) - best) * inv_t;
+    const float e = fast_exp(x);
+    w[i] = x < floor ? 0.f : e;
+  }
+  return argmax;
+}
+
+// The token where u times the total falls in the cumulative weights, walked in index order.
+int64_t walk_all(const float* w, int64_t width, double uniform, std::vector<double>& sums) {
+  const int64_t blocks = (width + kWalkBlock - 1) / kWalkBlock;
+  sums.resize(blocks);
+  double total = 0.;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float sum = 0.f;
+    const int64_t end = std::min(width, (b + 1) * kWalkBlock);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = b * kWalkBlock; i < end; ++i) sum += w[i];
+    sums[b] = sum;
+    total += sum;
+  }
+  const double target = uniform * total;
+  double seen = 0.;
+  int64_t last = -1;  // the last token of weight > 0 before the target: rounding's fallback
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (seen + sums[b] <= target && b + 1 < blocks) {
+      seen += sums[b];
+      continue;
+    }
+    for (int64_t i = b * kWalkBlock; i < std::min(width, (b + 1) * kWalkBlock); ++i) {
+      if (w[i] <= 0.f) continue;
+      seen += w[i];
+      last = i;
+      if (seen > target) return i;
+    }
+  }
+  return last;
+}
+
+// The weights top_k and top_p keep, largest first (ties: lower index first).
+void kept_in_order(const float* w, int64_t width, const Params& p, std::vector<Weighted>& out,
+                   std::vector<double>& mass, std::vector<int64_t>& counts) {
+  mass.assign(kBuckets, 0.);
+  counts.assign(kBuckets, 0);
+  double total = 0.;
+  for (int64_t i = 0; i < width; ++i) {
+    if (w[i] <= 0.f) continue;
+    const int64_t b = bucket_of(w[i]);
+    mass[b] += w[i];
+    counts[b] += 1;
+    total += w[i];
+  }
+  const bool by_count = p.top_k > 0;
+  const int64_t k = by_count ? p.top_k : width;
+  const double wanted = p.top_p * total;  // top_p alone: of the whole mass
+  int64_t boundary = 0, count = 0;
+  double above = 0.;
+  for (int64_t b = kBuckets - 1; b >= 0; --b) {
+    count += counts[b];
+    above += mass[b];
+    if (by_count ? count >= k : above >= wanted) {
+      boundary = b;
+      break;
+    }
+  }
+  out.clear();
+  for (int64_t i = 0; i < width; ++i)
+    if (w[i] > 0.f && bucket_of(w[i]) >= boundary) out.push_back({w[i], i});
+  std::sort(out.begin(), out.end(), [](const Weighted& a, const Weighted& b) {
+    return a.weight > b.weight || (a.weight == b.weight && a.index < b.index);
+  });
+  if (int64_t(out.size()) > k) out.resize(k);
+  if (p.top_p >= 1.f) return;
+  double base = 0.;  // top_p of what top_k left
+  for (const Weighted& item : out) base += item.weight;
+  const double threshold = by_count ? p.top_p * base : wanted;
+  double before = 0.;
+  size_t kept = 0;
+  while (kept < out.size() && before < threshold) before += out[kept++].weight;
+  out.resize(std::max<size_t>(kept, 1));
+}
+
+int64_t walk_kept(const std::vector<Weighted>& kept, double uniform) {
+  double total = 0.;
+  for (const Weighted& item : kept) total += item.weight;
+  const double target = uniform * total;
+  double seen = 0.;
+  for (const Weighted& item : kept) {
+    seen += item.weight;
+    if (seen > target) return item.index;
+  }
+  return kept.back().index;
+}
+
+template <typename T>
+int64_t sample_row(const T* row, int64_t width, const Params& p) {
+  thread_local std::vector<float> w;
+  thread_local std::vector<double> sums, mass;
+  thread_local std::vector<int64_t> counts;
+  thread_local std::vector<Weighted> kept;
+  if (p.temperature <= 0.f || p.top_k == 1) return first_max(row, width);
+  w.resize(width);
+  const int64_t argmax = weights_of(row, width, p, w.data());
+  if (!(to_float(row[argmax]) > -INFINITY)) return argmax;  // nothing to weigh
+  const bool filters = (p.top_k > 0 && p.top_k < width) || p.top_p < 1.f;
+  if (!filters) {
+    const int64_t token = walk_all(w.data(), width, p.uniform, sums);
+    return token < 0 ? argmax : token;
+  }
+  kept_in_order(w.data(), width, p, kept, mass, counts);
+  return kept.empty() ? argmax : walk_kept(kept, p.uniform);
+}
+
+template <typename T>
+void sample_rows(const T* logits, int64_t rows, int64_t width, int64_t stride,
+                 const float* temperatures, const int64_t* top_ks, const float* top_ps,
+                 const float* min_ps, const double* uniforms, int64_t* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r)
+    out[r] = sample_row(logits + r * stride, width,
+                        Params{temperatures[r], top_ps[r], min_ps[r], top_ks[r], uniforms[r]});
+}
+
+}  // namespace
+
+// out[r]: row r's token, drawn with uniforms[r] (T <= 0: its first maximum).
+extern "C" void loom_sample_rows(int is_bf16, const void* logits, int64_t rows, int64_t width,
+                                 int64_t stride, const float* temperatures,
+                                 const int64_t* top_ks, const float* top_ps,
+                                 const float* min_ps, const double* uniforms, int64_t* out,
+                                 int threads) {
+  if (is_bf16)
+    sample_rows(static_cast<const uint16_t*>(logits), rows, width, stride, temperatures, top_ks,
+                top_ps, min_ps, uniforms, out, threads);
+  else
+    sample_rows(static_cast<const float*>(logits), rows, width, stride, temperatures, top_ks,
+                top_ps, min_ps, uniforms, out, threads);
 }
