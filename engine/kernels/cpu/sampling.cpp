@@ -8,15 +8,15 @@
 //
 // A row's weights are w = exp((logit - max) / T), so the largest is 1 and a float's bits
 // order the weights as their values. min_p keeps w >= min_p (p / p_max = w). top_k and top_p
-// need the largest weights in order: a histogram of the weights' top bits finds the bucket
-// where the k-th weight (or the top_p mass) lies, and only the weights from that bucket up
-// are sorted (larger weight first, then lower index). top_k applies before top_p, and top_p
+// need the largest weights in order: only the weights above a floor that leaves out none of
+// them are sorted (larger weight first, then lower index). top_k applies before top_p, and top_p
 // keeps the smallest prefix whose mass reaches top_p of what is left (the weight crossing it
 // kept), as the torch path in engine/sampling/sampler.py does. T <= 0 (greedy) takes the
 // row's first maximum.
 #include "numerics.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <vector>
 
@@ -106,28 +106,27 @@ struct Weighted {
   int64_t index;
 };
 
-constexpr int kBucketShift = 19;  // 16 buckets an octave
-constexpr int64_t kBuckets = (0x3F800000 >> kBucketShift) + 1;  // weights in [0, 1]
+constexpr float kFirstFloor = 0x1p-5f, kFloorStep = 0x1p-5f, kLastFloor = 0x1p-120f;
 constexpr int64_t kWalkBlock = 256;  // the inverse CDF walks sums of this many weights first
 constexpr float kLowestExponent = -87.f;  // below: weight 0 (fast_exp's clamp)
 
-inline int64_t bucket_of(float weight) {
-  return int64_t(__builtin_bit_cast(uint32_t, weight) >> kBucketShift);
-}
-
-// w[i] = exp((row[i] - max) / T), 0 below min_p's floor; returns the largest logit's index.
+// w[i] = exp((row[i] - max) / T), 0 below min_p's floor, and their sum; returns the largest
+// logit's index.
 template <typename T>
-int64_t weights_of(const T* row, int64_t width, const Params& p, float* w) {
+int64_t weights_of(const T* row, int64_t width, const Params& p, float* w, double& total) {
   const int64_t argmax = first_max(row, width);
   const float best = to_float(row[argmax]);
   const float inv_t = 1.f / p.temperature;
   const float floor = std::max(p.min_p > 0.f ? std::log(p.min_p) : -INFINITY, kLowestExponent);
-#pragma omp simd
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < width; ++i) {
     const float x = (to_float(row[i]) - best) * inv_t;
     const float e = fast_exp(x);
     w[i] = x < floor ? 0.f : e;
+    sum += w[i];
   }
+  total = sum;
   return argmax;
 }
 
@@ -162,40 +161,59 @@ int64_t walk_all(const float* w, int64_t width, double uniform, std::vector<doub
   return last;
 }
 
-// The weights top_k and top_p keep, largest first (ties: lower index first).
-void kept_in_order(const float* w, int64_t width, const Params& p, std::vector<Weighted>& out,
-                   std::vector<double>& mass, std::vector<int64_t>& counts) {
-  mass.assign(kBuckets, 0.);
-  counts.assign(kBuckets, 0);
-  double total = 0.;
-  for (int64_t i = 0; i < width; ++i) {
-    if (w[i] <= 0.f) continue;
-    const int64_t b = bucket_of(w[i]);
-    mass[b] += w[i];
-    counts[b] += 1;
-    total += w[i];
+// How many of w's entries are at least `floor` (and above 0); their indices go to `at`
+// (room for width + 16).
+int64_t collect_at_least(const float* w, int64_t width, float floor, int32_t* at) {
+  int64_t count = 0, i = 0;
+#if defined(__AVX512F__)
+  // Compressed in a register and stored whole (a compressing store to memory is microcoded
+  // on Zen 4); the lanes past the count are overwritten by the next store.
+  const __m512 lowest = _mm512_set1_ps(std::max(floor, FLT_MIN));
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i indices = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (; i + 16 <= width; i += 16, indices = _mm512_add_epi32(indices, step)) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(w + i), lowest, _CMP_GE_OQ);
+    _mm512_storeu_si512(at + count, _mm512_maskz_compress_epi32(keep, indices));
+    count += _mm_popcnt_u32(keep);
   }
+#endif
+  for (; i < width; ++i) {  // branch-free: most weights are below the floor
+    at[count] = int32_t(i);
+    count += w[i] >= floor && w[i] > 0.f;
+  }
+  return count;
+}
+
+// The weights top_k and top_p keep, largest first (ties: lower index first). Candidates are
+// the weights above a floor, lowered 32-fold until they hold the top k, or (top_p alone)
+// top_p of the total mass: whatever lies below them cannot be kept.
+void kept_in_order(const float* w, int64_t width, double total, const Params& p,
+                   std::vector<Weighted>& out, std::vector<int32_t>& at) {
   const bool by_count = p.top_k > 0;
   const int64_t k = by_count ? p.top_k : width;
   const double wanted = p.top_p * total;  // top_p alone: of the whole mass
-  int64_t boundary = 0, count = 0;
-  double above = 0.;
-  for (int64_t b = kBuckets - 1; b >= 0; --b) {
-    count += counts[b];
-    above += mass[b];
-    if (by_count ? count >= k : above >= wanted) {
-      boundary = b;
+  if (int64_t(at.size()) < width + 16) at.resize(width + 16);
+  out.clear();
+  for (float floor = kFirstFloor;; floor = floor > kLastFloor ? floor * kFloorStep : 0.f) {
+    const int64_t count = collect_at_least(w, width, floor, at.data());
+    double mass = 0.;
+    if (!by_count)
+      for (int64_t j = 0; j < count; ++j) mass += w[at[j]];
+    // floor 0: every weight (rounding left the mass short of top_p)
+    if ((by_count ? count >= k : mass >= wanted) || floor == 0.f) {
+      for (int64_t j = 0; j < count; ++j) out.push_back({w[at[j]], at[j]});
       break;
     }
   }
-  out.clear();
-  for (int64_t i = 0; i < width; ++i)
-    if (w[i] > 0.f && bucket_of(w[i]) >= boundary) out.push_back({w[i], i});
-  std::sort(out.begin(), out.end(), [](const Weighted& a, const Weighted& b) {
+  const auto larger = [](const Weighted& a, const Weighted& b) {
     return a.weight > b.weight || (a.weight == b.weight && a.index < b.index);
-  });
-  if (int64_t(out.size()) > k) out.resize(k);
-  if (p.top_p >= 1.f) return;
+  };
+  if (int64_t(out.size()) > k) {
+    std::nth_element(out.begin(), out.begin() + k, out.end(), larger);
+    out.resize(k);
+  }
+  std::sort(out.begin(), out.end(), larger);
+  if (p.top_p >= 1.f || out.empty()) return;
   double base = 0.;  // top_p of what top_k left
   for (const Weighted& item : out) base += item.weight;
   const double threshold = by_count ? p.top_p * base : wanted;
@@ -220,19 +238,20 @@ int64_t walk_kept(const std::vector<Weighted>& kept, double uniform) {
 template <typename T>
 int64_t sample_row(const T* row, int64_t width, const Params& p) {
   thread_local std::vector<float> w;
-  thread_local std::vector<double> sums, mass;
-  thread_local std::vector<int64_t> counts;
+  thread_local std::vector<double> sums;
+  thread_local std::vector<int32_t> at;
   thread_local std::vector<Weighted> kept;
   if (p.temperature <= 0.f || p.top_k == 1) return first_max(row, width);
   w.resize(width);
-  const int64_t argmax = weights_of(row, width, p, w.data());
+  double total = 0.;
+  const int64_t argmax = weights_of(row, width, p, w.data(), total);
   if (!(to_float(row[argmax]) > -INFINITY)) return argmax;  // nothing to weigh
   const bool filters = (p.top_k > 0 && p.top_k < width) || p.top_p < 1.f;
   if (!filters) {
     const int64_t token = walk_all(w.data(), width, p.uniform, sums);
     return token < 0 ? argmax : token;
   }
-  kept_in_order(w.data(), width, p, kept, mass, counts);
+  kept_in_order(w.data(), width, total, p, kept, at);
   return kept.empty() ? argmax : walk_kept(kept, p.uniform);
 }
 
