@@ -30,10 +30,12 @@ from tests.tiny_server import TINY_MODEL_NAME, shared_tiny_model, tiny_server
 pytestmark = pytest.mark.e2e
 
 DETECTION_LIMIT_S = 2.0
-# Long enough for the short requests (8 tokens) to finish on a busy 2-core machine (steps of
-# ~0.2 s), short enough that the long ones (2000 tokens, ~10 s at ~5 ms per step unloaded)
-# cannot: at 8 s a faster engine finished them inside the drain now and then.
-SHUTDOWN_TIMEOUT_S = 5
+# Drains end long before the long streams (2,000 tokens, 6 running: ~3.5 s at the tiny
+# model's ~1.8 ms a step on two cores; at 5 s, once sampling got fast, the engine finished
+# them inside the drain) and long after the short ones, which run long enough (~0.4 s) for
+# the metrics to see all six running.
+SHUTDOWN_TIMEOUT_S = 1.5
+SHORT_TOKENS = 200
 
 
 def body(max_tokens: int, stream: bool = True) -> dict:
@@ -156,7 +158,8 @@ async def test_sigterm_drains_then_aborts_and_exits_zero(
     try:
         url = server.base_url + "/v1/completions"
         async with session() as http:
-            short = [asyncio.ensure_future(stream_one(http, url, body(8))) for _ in range(4)]
+            short = [asyncio.ensure_future(stream_one(http, url, body(SHORT_TOKENS)))
+                     for _ in range(4)]
             long = [asyncio.ensure_future(stream_one(http, url, body(2000))) for _ in range(2)]
             await wait_running(http, server, 6)
             server.process.send_signal(signal.SIGTERM)

@@ -31,7 +31,9 @@ max_concurrent_requests = 1
 [tenants.beta]
 key_sha256 = "{key_digest(KEY_B)}"
 """
-LONG = 1900  # tokens: seconds of decoding for the tiny model, never done within the test
+# tokens: ~2 s of decoding for the tiny model alone (~1 ms a token), longer than the
+# deadlines that stop it
+LONG = 2000
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def test_deadlines_and_the_concurrency_cap(server):
 
     def run_long() -> None:
         long_result["status"], _, long_result["body"] = send(
-            server, completion(LONG), KEY_A, **{"X-Request-Timeout": "3"})
+            server, completion(LONG), KEY_A, **{"X-Request-Timeout": "1"})
 
     runner = threading.Thread(target=run_long)
     runner.start()
@@ -110,7 +112,7 @@ def test_deadlines_and_the_concurrency_cap(server):
     assert body["error"]["code"] == "rate_limit_exceeded"
     assert body["error"]["param"] == "max_concurrent_requests"
     # and beta's request, waiting behind it, is dropped unstarted when its deadline passes.
-    status, _, body = send(server, completion(2), KEY_B, **{"X-Request-Timeout": "1"})
+    status, _, body = send(server, completion(2), KEY_B, **{"X-Request-Timeout": "0.3"})
     assert status == 504 and body["error"]["code"] == "deadline_exceeded", body
     assert "never started" in body["error"]["message"]
     # alpha's request is stopped at its own deadline with what it generated.
