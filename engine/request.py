@@ -46,7 +46,6 @@ class Request:
     output_token_counts: Counter[int] = field(default_factory=Counter)  # for penalties
     constraint: Constraint | None = None  # its grammars' matchers when constrained
     draft_token_ids: list[int] = field(default_factory=list)  # speculated for this step
-    _prompt_token_set: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -89,12 +88,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def prompt_token_set(self) -> frozenset[int]:
-        if self._prompt_token_set is None:
-            self._prompt_token_set = frozenset(self.prompt_token_ids)
-        return self._prompt_token_set
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -270,3 +270,33 @@ def test_random_rows_follow_their_filtered_distribution(sampling_path, dtype, te
     # E[TV] <= sqrt(support / draws) / 2; its deviation is bounded by McDiarmid's inequality
     bound = 0.5 * math.sqrt(support / draws) + math.sqrt(math.log(1e4) / (2 * draws))
     assert 0.5 * float((seen - want).abs().sum()) < bound
+
+
+def test_penalties_of_a_batch_touch_each_rows_own_tokens() -> None:
+    """Rows with different penalties, tokens seen in the prompt and the output both (the
+    repetition penalty applies once), repeated outputs (frequency counts them), a row with
+    presence alone and one with none, against the formula applied here token by token."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 50, generator=generator) * 3
+    rows = [
+        request([5, 5, 7, 9], [5, 9, 11, 11], repetition_penalty=1.3, frequency_penalty=0.2),
+        request([1, 2, 2], [30, 31], presence_penalty=0.7),
+        request([4], [4, 6], temperature=0.0),
+        request([], [40, 41, 40], repetition_penalty=0.8, presence_penalty=-0.5,
+                frequency_penalty=0.1),
+    ]
+    expected = logits.clone()
+    for row, made in enumerate(rows):
+        params, output = made.sampling, made.token_ids[made.num_prompt_tokens:]
+        seen = set(made.prompt_token_ids) | set(output) \
+            if params.repetition_penalty != 1.0 else set(output)
+        for token in seen:
+            value = float(expected[row, token])
+            penalty = params.repetition_penalty
+            value = value / penalty if value > 0 else value * penalty
+            count = output.count(token)
+            expected[row, token] = value - params.frequency_penalty * count \
+                - (params.presence_penalty if count else 0.0)
+    edited = process_logits(logits.clone(), rows, frozenset())
+    assert torch.allclose(edited, expected, atol=1e-6)
+    assert torch.equal(edited[2], logits[2])

@@ -63,31 +63,36 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     """In place, as vLLM and the OpenAI API define them:
     repetition (prompt and output tokens): positive logits divided by p, negative multiplied;
     frequency and presence (output tokens only): logit -= f * count + p * (count > 0).
-    Only the logits of tokens a request has seen are touched: O(seen), not O(vocab)."""
-    device = logits.device
-    rows: list[int] = []
-    columns: list[int] = []
-    repetition: list[float] = []
-    subtract: list[float] = []
+    Only the logits of tokens a request has seen are touched: O(seen), not O(vocab), each
+    row's token ids handed to torch as lists (no Python loop over them)."""
+    vocab = logits.shape[-1]
+    flat = logits.view(-1)
+    seen: list[torch.Tensor] = []  # flat positions; a token in prompt and output twice
+    penalties: list[torch.Tensor] = []
+    output_positions: list[torch.Tensor] = []
+    subtract: list[torch.Tensor] = []
     for row, request in enumerate(requests):
         sampling = request.sampling
         counts = request.output_token_counts
-        seen = request.prompt_token_set | counts.keys() \
-            if sampling.repetition_penalty != 1.0 else counts.keys()
-        for token in seen:
-            count = counts.get(token, 0)
-            rows.append(row)
-            columns.append(token)
-            repetition.append(sampling.repetition_penalty)
-            subtract.append(sampling.frequency_penalty * count
-                            + (sampling.presence_penalty if count else 0.0))
-    if not rows:
-        return logits
-    index = (int_tensor(rows, device), int_tensor(columns, device))
-    values = logits[index]
-    penalty = device_tensor(repetition, logits.dtype, device)
-    values = torch.where(values > 0, values / penalty, values * penalty)
-    logits[index] = values - device_tensor(subtract, logits.dtype, device)
+        outputs = torch.tensor(list(counts), dtype=torch.int64) + row * vocab
+        if sampling.repetition_penalty != 1.0:
+            prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64) + row * vocab
+            seen += [prompt, outputs]
+            penalties.append(torch.full((len(prompt) + len(outputs),),
+                                        sampling.repetition_penalty))
+        if counts and (sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0):
+            output_positions.append(outputs)
+            subtract.append(sampling.frequency_penalty * torch.tensor(list(counts.values()))
+                            + sampling.presence_penalty)
+    if seen:
+        # Every write of a position writes the same value: gathered before any is written.
+        index = torch.cat(seen).to(logits.device)
+        values = flat[index]
+        penalty = torch.cat(penalties).to(logits.dtype).to(logits.device)
+        flat[index] = torch.where(values > 0, values / penalty, values * penalty)
+    if output_positions:
+        index = torch.cat(output_positions).to(logits.device)
+        flat[index] -= torch.cat(subtract).to(logits.dtype).to(logits.device)
     return logits
 
 

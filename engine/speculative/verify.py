@@ -59,8 +59,8 @@ class DraftedRow:
         return self.request.sampling
 
     @property
-    def prompt_token_set(self) -> frozenset[int]:
-        return self.request.prompt_token_set
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
     @property
     def num_output_tokens(self) -> int:
