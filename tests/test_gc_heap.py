@@ -32,7 +32,8 @@ def test_a_full_collection_no_longer_walks_the_startup_heap(unfrozen_afterwards)
     startup_heap = [Node() for _ in range(200_000)]
     before = full_collection_s()
     frozen = freeze_startup_heap()
-    assert frozen >= len(startup_heap) and gc.get_freeze_count() == frozen
+    # (not equal: frozen objects that other threads of the suite drop leave the count)
+    assert frozen >= len(startup_heap) and gc.get_freeze_count() >= len(startup_heap)
     assert full_collection_s() < before / 4
 
 
