@@ -4,6 +4,9 @@ last the grammar mask of constrained requests (engine.sampling.grammar)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.platform.host_copy import device_tensor, int_tensor
@@ -63,37 +66,61 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     """In place, as vLLM and the OpenAI API define them:
     repetition (prompt and output tokens): positive logits divided by p, negative multiplied;
     frequency and presence (output tokens only): logit -= f * count + p * (count > 0).
-    Only the logits of tokens a request has seen are touched: O(seen), not O(vocab), each
-    row's token ids handed to torch as lists (no Python loop over them)."""
-    vocab = logits.shape[-1]
-    flat = logits.view(-1)
-    seen: list[torch.Tensor] = []  # flat positions; a token in prompt and output twice
-    penalties: list[torch.Tensor] = []
-    output_positions: list[torch.Tensor] = []
-    subtract: list[torch.Tensor] = []
+    Only the logits of tokens a request has seen are touched: O(seen), not O(vocab), and the
+    token ids reach torch as one list per kind (no Python loop over them)."""
+    repeated, penalized = RowTokens(), RowTokens()
     for row, request in enumerate(requests):
         sampling = request.sampling
         counts = request.output_token_counts
-        outputs = torch.tensor(list(counts), dtype=torch.int64) + row * vocab
         if sampling.repetition_penalty != 1.0:
-            prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64) + row * vocab
-            seen += [prompt, outputs]
-            penalties.append(torch.full((len(prompt) + len(outputs),),
-                                        sampling.repetition_penalty))
+            repeated.add(row, [*request.prompt_token_ids, *counts],
+                         [sampling.repetition_penalty])
         if counts and (sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0):
-            output_positions.append(outputs)
-            subtract.append(sampling.frequency_penalty * torch.tensor(list(counts.values()))
-                            + sampling.presence_penalty)
-    if seen:
-        # Every write of a position writes the same value: gathered before any is written.
-        index = torch.cat(seen).to(logits.device)
+            penalized.add(row, list(counts), [sampling.frequency_penalty,
+                                              sampling.presence_penalty], counts.values())
+    flat = logits.view(-1)
+    if repeated.rows:
+        # A token in both prompt and output is written twice, with the same value: every
+        # position's value is gathered before any is written.
+        index, _, (penalty,) = repeated.tensors(logits)
         values = flat[index]
-        penalty = torch.cat(penalties).to(logits.dtype).to(logits.device)
         flat[index] = torch.where(values > 0, values / penalty, values * penalty)
-    if output_positions:
-        index = torch.cat(output_positions).to(logits.device)
-        flat[index] -= torch.cat(subtract).to(logits.dtype).to(logits.device)
+    if penalized.rows:
+        index, count, (frequency, presence) = penalized.tensors(logits)
+        flat[index] -= frequency * count + presence
     return logits
+
+
+@dataclass(slots=True)
+class RowTokens:
+    """Several rows' token ids (with counts) and each row's parameters, gathered as lists and
+    handed to torch at once."""
+
+    rows: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    params: list[list[float]] = field(default_factory=list)
+
+    def add(self, row: int, ids: list[int], params: list[float],
+            counts: Iterable[int] = ()) -> None:
+        self.rows.append(row)
+        self.lengths.append(len(ids))
+        self.ids += ids
+        self.counts += counts
+        self.params.append(params)
+
+    def tensors(self, logits: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(each token's flat position in `logits`, its count, and its row's parameters one
+        tensor each), on the logits' device, values in their dtype."""
+        device, dtype = logits.device, logits.dtype
+        lengths = torch.tensor(self.lengths)
+        rows = torch.repeat_interleave(torch.tensor(self.rows), lengths)
+        index = rows * logits.shape[-1] + torch.tensor(self.ids, dtype=torch.int64)
+        params = torch.repeat_interleave(torch.tensor(self.params, dtype=dtype), lengths, dim=0)
+        counts = torch.tensor(self.counts, dtype=dtype)
+        return index.to(device), counts.to(device), [p.to(device) for p in params.unbind(1)]
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
