@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from common.attribute_swap import attributes_replaced
 from engine.attention.forward_context import StepGaveWay
 from engine.kernels.build import loaded_kernels
 
@@ -243,26 +244,16 @@ def values_guarded() -> Iterator[None]:
     def refuse(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         raise RecordingRefused("a tensor's values are read into Python (tolist / numpy)")
 
-    saved = torch.Tensor.tolist, torch.Tensor.numpy
-    torch.Tensor.tolist = torch.Tensor.numpy = refuse  # type: ignore[method-assign]
-    try:
+    with attributes_replaced([(torch.Tensor, "tolist", refuse), (torch.Tensor, "numpy", refuse)]):
         yield
-    finally:
-        torch.Tensor.tolist, torch.Tensor.numpy = saved  # type: ignore[method-assign]
 
 
 @contextmanager
 def kernels_recorded(recording: Recording) -> Iterator[None]:
     """Every loaded kernel library's functions replaced by recording stand-ins."""
-    swapped = [(library, name, getattr(library, name)) for library, names in loaded_kernels()
-               for name in names]
-    for library, name, function in swapped:
-        setattr(library, name, RecordingKernel(function, recording))
-    try:
+    with attributes_replaced([(library, name, RecordingKernel(getattr(library, name), recording))
+                              for library, names in loaded_kernels() for name in names]):
         yield
-    finally:
-        for library, name, function in swapped:
-            setattr(library, name, function)
 
 
 def record(step: Callable[[], torch.Tensor], trusted: Iterable[torch.Tensor],
