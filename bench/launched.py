@@ -18,6 +18,7 @@ from common.sockets import free_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
+PORT_ATTEMPTS = 3
 READY_MARK = "[launch] serving "  # once /health answered 200 (the frontend says "serving" sooner)
 
 
@@ -64,11 +65,15 @@ class ServerProcess:
     """A server process of ours on a free port: its log in a file, started until ready,
     stopped by signal (SIGKILL when SIGTERM takes too long), a context manager."""
 
-    port: int = field(default_factory=free_port)
+    port: int = 0  # 0: a free port, another if someone else binds it before the server does
     log_dir: Path | None = None  # None: a fresh temporary directory
     process: subprocess.Popen | None = None
     log_path: Path | None = None
     log_name: ClassVar[str] = "server"
+
+    def __post_init__(self) -> None:
+        self.port_attempts = PORT_ATTEMPTS if self.port == 0 else 1
+        self.port = self.port or free_port()
 
     @property
     def base_url(self) -> str:
@@ -89,15 +94,25 @@ class ServerProcess:
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> Self:
         log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="loom-bench-"))
-        self.log_path = log_dir / f"{self.log_name}-{self.port}.log"
-        with open(self.log_path, "wb") as log:
-            self.process = self.spawn(log)
-        try:
-            self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, self.port_attempts + 1):
+            self.log_path = log_dir / f"{self.log_name}-{self.port}.log"
+            with open(self.log_path, "wb") as log:
+                self.process = self.spawn(log)
+            try:
+                self._wait_ready(timeout_s)
+                return self
+            except BaseException as error:
+                self.stop()
+                # A free port is free only until someone binds it (another process's
+                # outgoing connection, say): a port of ours taken meanwhile is tried anew.
+                if not (isinstance(error, RuntimeError) and self._port_taken()) \
+                        or attempt == self.port_attempts:
+                    raise
+                self.port = free_port()
         return self
+
+    def _port_taken(self) -> bool:
+        return f"address ('127.0.0.1', {self.port}): address already in use" in self.log
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
