@@ -180,14 +180,9 @@ def timed_calls(class_us: dict[str, float]) -> Iterator[None]:
                     class_us[op_class] += (time.perf_counter() - started) * 1e6
         return wrapper
 
-    originals = [(owner, name, vars(owner)[name]) for _, owner, name in TIMED_CALLS]
-    for (op_class, owner, name), (_, _, call) in zip(TIMED_CALLS, originals, strict=True):
-        setattr(owner, name, timed(op_class, call))
-    try:
+    with attributes_replaced([(owner, name, timed(op_class, getattr(owner, name)))
+                              for op_class, owner, name in TIMED_CALLS]):
         yield
-    finally:
-        for owner, name, call in originals:
-            setattr(owner, name, call)
 
 
 def in_timed_call(event: FunctionEvent) -> bool:
