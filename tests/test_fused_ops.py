@@ -34,20 +34,21 @@ def layer(op: SiluAndMul | Rotary, implementation: Implementation) -> SiluAndMul
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 200])  # 200 rows of 576 run on several threads
-def test_rms_norm_and_the_fused_residual_add(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: a row ending inside a 16-lane vector
+def test_rms_norm_and_the_fused_residual_add(dtype: torch.dtype, rows: int, hidden: int) -> None:
     torch.manual_seed(rows)
-    x = torch.randn(rows, 576, dtype=dtype) * 3
-    residual = torch.randn(rows, 576, dtype=dtype)
-    weight = 1 + 0.1 * torch.randn(576, dtype=dtype)
+    x = torch.randn(rows, hidden, dtype=dtype) * 3
+    residual = torch.randn(rows, hidden, dtype=dtype)
+    weight = 1 + 0.1 * torch.randn(hidden, dtype=dtype)
     tolerance = TOLERANCES[dtype]
 
-    want = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    want = F.rms_norm(x.float(), (hidden,), weight.float(), 1e-5)
     norm = norm_of(weight, 1e-5, "cpu")
     got = norm(x)
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
     want_sum = (x + residual).float()  # rounded to dtype as the unfused add stores it
-    want = F.rms_norm(want_sum, (576,), weight.float(), 1e-5)
+    want = F.rms_norm(want_sum, (hidden,), weight.float(), 1e-5)
     normed, summed = norm(x.clone(), residual.clone())
     torch.testing.assert_close(summed.float(), want_sum, atol=0, rtol=0)
     torch.testing.assert_close(normed.float(), want, atol=tolerance, rtol=tolerance)
@@ -55,14 +56,15 @@ def test_rms_norm_and_the_fused_residual_add(dtype: torch.dtype, rows: int) -> N
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64])
-def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_and_mul(dtype: torch.dtype, rows: int, width: int) -> None:
     torch.manual_seed(rows)
-    gate_up = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
+    gate_up = torch.randn(rows, 2 * width, dtype=dtype) * 4
     gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.5, 88.5, 1e-8], dtype=dtype)
-    gate, up = gate_up.float().split(1536, dim=-1)
+    gate, up = gate_up.float().split(width, dim=-1)
     want = F.silu(gate) * up
     got = layer(SiluAndMul(), "cpu")(gate_up)
-    assert got.shape == (rows, 1536) and got.dtype == dtype
+    assert got.shape == (rows, width) and got.dtype == dtype
     tolerance = TOLERANCES[dtype]
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 

@@ -9,6 +9,7 @@
 // ask loom_prefill_kind() first.
 #include "amx.h"
 #include "avx512.h"
+#include "bf16_vectors.h"
 #include "numerics.h"
 
 #include <algorithm>
@@ -47,21 +48,6 @@ struct Chunk {
   int64_t padded_len() const { return (seq_len + kStep - 1) / kStep * kStep; }
   int64_t first_pos() const { return seq_len - query_len; }  // the position of its row 0
 };
-
-constexpr float kLog2e = 1.44269504088896341f;
-
-// 2^t, t clamped to >= -125 (exp2(-inf) is 2^-125: a weight no sum notices), to 7.5e-5
-// relative: a minimax cubic on the fraction, the exponent by vscalefps. The weights become
-// bf16, whose own step is 4e-3.
-inline __m512 exp2_16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-125.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(5.517166493e-2f);
-  for (const float c : {2.426111219e-1f, 6.932609862e-1f, 9.999280736e-1f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
 
 // softcap * tanh(s / softcap), tanh(y) as 1 - 2 / (e^2y + 1).
 inline __m512 capped16(__m512 s, float softcap) {
