@@ -21,10 +21,10 @@ from engine.kernels import moe_int4, w4a8
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.int4_matmul import load_int4_kernel
 from engine.kernels.q8_0_matmul import load_q8_kernel
-from engine.layers.batch_invariant import MIN_ROWS_FP32
+from engine.layers.batch_invariant import MIN_ROWS, MIN_ROWS_FP32
 from engine.platform.cpu import cpu_flags
 from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
-from engine.quantization.int4 import GROUPED_KERNEL_ROWS, Int4Linear
+from engine.quantization.int4 import Int4Linear, grouped_kernel_rows
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.q8_0 import Q8_0Linear
 from engine.quantization.registry import attach_dense_copies, quantize_linears
@@ -172,15 +172,17 @@ def test_weight_only_layers_run_larger_steps_on_their_dense_copy(method: str) ->
 
 
 def test_bf16_int4_layers_read_their_codes_up_to_the_grouped_kernels_rows() -> None:
-    """Where the grouped kernel serves (AVX512-BF16), bf16 steps of up to GROUPED_KERNEL_ROWS
+    """Where the grouped kernel serves (AVX512-BF16), bf16 steps of up to grouped_kernel_rows()
     tokens read the codes; larger ones, and every step above torch's 4 rows elsewhere, the
     dense copy, where oneDNN packs bf16 (without AVX-512 it cannot: no copy, every step on
-    the codes). Each equals float math on the dequantized weight."""
+    the codes). Each equals float math on the dequantized weight. Steps with prompt rows,
+    padded to MIN_ROWS, always take the copy: a prompt's rows never depend on their step."""
+    assert grouped_kernel_rows() < MIN_ROWS
     generator = torch.Generator().manual_seed(4)
     layer = Int4Linear(torch.randn(96, 64, generator=generator).bfloat16(), None)
     grouped = moe_int4.kernel_serves(torch.bfloat16, 32, 96, 64)
     assert (layer.grouped_blocks is not None) == grouped
-    assert layer.kernel_rows == (GROUPED_KERNEL_ROWS if grouped else layer.max_kernel_rows)
+    assert layer.kernel_rows == (grouped_kernel_rows() if grouped else layer.max_kernel_rows)
     kernel_rows = layer.kernel_rows
     attach_dense_copies([layer])
     packs = packing_applies(torch.device("cpu"), torch.bfloat16)

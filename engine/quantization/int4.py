@@ -6,21 +6,34 @@ answers to float math on its dequantized weight and the fake-quantized activatio
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels import moe_int4, w4a8
 from engine.kernels.build import kernel_enabled
 from engine.kernels.int4_matmul import kernel_serves, pack_nibbles, run_int4_matmul, unpack_nibbles
+from engine.platform.cpu import cpu_flags
 from engine.quantization.base import DEFAULT_GROUP_SIZE, QuantizedLinear
 
 INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at q = 8
 # bf16 steps of up to this many tokens read the codes; larger ones the packed bf16 copy, as do
-# steps with prompt rows (padded to 64: engine.layers.batch_invariant). Where the grouped
-# kernel serves (AVX512-BF16; `LOOM_CPU_INT4_GROUPED=0` turns it off for these layers) it reads
-# the codes once per 8 rows: the default model's 120 linears (Zen 4, 2 cores) 4.7 ms at 1 row,
-# 6.0 at 8, 10.1 at 16, the bf16 copy 11.8-15.0 over the same rows. torch's int4 kernel
-# (elsewhere) is slower than the copy above 4 rows.
-GROUPED_KERNEL_ROWS = 16
+# steps with prompt rows (padded to 64: engine.layers.batch_invariant, so a prompt's rows are
+# the copy's products whatever its step: keep this below that). Where the grouped kernel serves
+# (AVX512-BF16; `LOOM_CPU_INT4_GROUPED=0` turns it off for these layers) it reads the codes
+# once per 8 rows: the default model's 120 linears, each streamed from memory, on a Zen 4 VM
+# (no AMX) 4.7 ms at 1 row, 6.0 at 8, 12.7 at 16, 23.1 at 32, 38.7 at 56 rows, the bf16 copy
+# 16.5, 24.9 and 43.4 at 16, 32 and 56, and even at 64 (docs/benchmarks.md, "The grouped int4
+# kernel up to 56 rows"). With AMX the copy's products run on tiles: unmeasured there, it keeps
+# the 16 rows it had.
+GROUPED_KERNEL_ROWS = 56
+GROUPED_KERNEL_ROWS_AMX = 16
+
+
+@functools.cache
+def grouped_kernel_rows() -> int:
+    """The most tokens of a bf16 step that the grouped kernel multiplies on this CPU."""
+    return GROUPED_KERNEL_ROWS_AMX if "amx_bf16" in cpu_flags() else GROUPED_KERNEL_ROWS
 
 
 class Int4Linear(QuantizedLinear):
@@ -78,7 +91,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("grouped_blocks", blocks)
         self._grouped_args = (blocks,) if grouped else None
         if grouped:
-            self.kernel_rows = GROUPED_KERNEL_ROWS
+            self.kernel_rows = grouped_kernel_rows()
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32), 1) if on_cpu and not ours and not grouped else None)
         self.register_buffer("nibbles", pack_nibbles(q) if ours else None)
