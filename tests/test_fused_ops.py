@@ -88,11 +88,12 @@ def torch_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 300])
+@pytest.mark.parametrize("dim", [64, 40])  # 40: each half ends inside a 16-lane vector
 def test_rotary_rotates_the_q_and_k_slices_of_a_fused_qkv_row_in_place(
-    dtype: torch.dtype, tokens: int,
+    dtype: torch.dtype, tokens: int, dim: int,
 ) -> None:
     torch.manual_seed(tokens)
-    heads, kv_heads, dim = 9, 3, 64
+    heads, kv_heads = 9, 3
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
     angles = torch.rand(tokens, 1, dim // 2) * 6.0
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
