@@ -69,9 +69,11 @@ class EngineServer:
         self.arrivals = ArrivalWatch(self.requests, lambda: core.scheduler)  # read mid-step
 
     def stop(self) -> None:
-        """Ends the loop after its step or poll; safe from a signal handler."""
+        """Ends the loop after its step or poll; safe from a signal handler, also once the
+        server is closed (a second SIGTERM while the engine shuts down)."""
         self.running = False
-        os.write(self._wake_write, b"\0")
+        if self._wake_write >= 0:
+            os.write(self._wake_write, b"\0")
 
     def _requests_arrived(self, timeout_ms: int) -> bool:
         return self.requests in dict(self.poller.poll(timeout_ms))
@@ -202,5 +204,9 @@ class EngineServer:
         self.requests.close(linger=0)
         self.outputs.close()
         self.context.term()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        # Forgotten before closed: `stop` from a signal handler must never write to a number
+        # the process has since given to another file.
+        wake_read, wake_write = self._wake_read, self._wake_write
+        self._wake_read = self._wake_write = -1
+        os.close(wake_read)
+        os.close(wake_write)

@@ -174,6 +174,20 @@ def test_stop_ends_an_idle_wait_for_requests_at_once():
         endpoints.remove()
 
 
+def test_stop_after_close_does_nothing():
+    """A second SIGTERM while a tensor-parallel engine shut down reached `stop` after `close`:
+    its write to the closed wake-up pipe raised in the middle of the ranks' stop broadcast,
+    and rank 1 lost its peer (exit 1)."""
+    endpoints = Endpoints.private_ipc()
+    server = EngineServer(SimpleNamespace(), endpoints.requests, endpoints.outputs)
+    try:
+        server.close()
+        server.stop()
+        assert not server.running
+    finally:
+        endpoints.remove()
+
+
 def test_a_server_whose_sockets_fail_to_open_leaves_no_context_behind(monkeypatch, tmp_path):
     """Its requests socket bound, its outputs socket refused: the open socket would make the
     context's garbage collection wait on it for ever (a test run once hung on that)."""
