@@ -373,8 +373,8 @@ def map_every_cache_page(core: EngineCore) -> None:
     """Maps the whole KV cache now, as a server that has run a while has: its first touch of a
     2 MiB page costs milliseconds (engine.platform.huge_pages), which long contexts would
     otherwise pay inside the profiled steps, as KV writes."""
-    if core.runner.prefaulting is not None:
-        core.runner.prefaulting.join()
+    if core.runner.pages.thread is not None:
+        core.runner.pages.thread.join()
     caches = {cache.data_ptr(): cache for pair in core.runner.kv_caches for cache in pair}
     for cache in caches.values():
         populate(cache, cache.numel() * cache.element_size())

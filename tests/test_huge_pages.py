@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.executor.model_runner import ModelRunner
+from engine.executor.model_runner import ModelRunner, StepInputs
 from engine.platform import huge_pages
 from engine.platform.huge_pages import (
     HUGE_PAGE_BYTES,
+    PagesAhead,
     populate,
     prefault,
     skews,
@@ -150,3 +151,66 @@ def test_without_the_kernels_help_prefault_touches_the_pages_before_returning(
     assert prefault([cache], 8 << 20) is None
     assert 8 << 10 <= mapping_kib(cache.data_ptr(), "Rss") < 16 << 10
     assert cache.sum().item() == 7
+
+
+def resident_mib(caches: list[torch.Tensor]) -> int:
+    """The caches' resident MiB together (adjacent mappings merge: counted once)."""
+    return round(sum(mappings_kib([cache.data_ptr() for cache in caches], "Rss").values()) / 1024)
+
+
+def wait(pages: PagesAhead) -> None:
+    if pages.thread is not None:
+        pages.thread.join(timeout=60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")
+def test_pages_ahead_maps_a_stretch_beyond_the_blocks_steps_write_and_no_further() -> None:
+    """64 blocks of 1 MiB, stretches of 8: mapped at start, then the next stretch once a step
+    writes within half a stretch of the mapped end, never past the cache, values kept."""
+    caches = [zeros_on_huge_pages((64, 1 << 20), torch.uint8, torch.device("cpu"))
+              for _ in range(2)]
+    caches[1][12, 5] = 7  # a block the next stretch maps: it keeps its value
+    pages = PagesAhead(caches, 64, stretch=8)
+    assert pages.background  # Linux 5.14 and later: this machine's kernels
+    wait(pages)
+    assert pages.mapped == 8
+    assert resident_mib(caches) == 8 + 10  # block 12's 2 MiB page too: written
+
+    pages.follow(3)  # 3 < 8 - 4: far enough from the mapped end
+    assert pages.mapped == 8 and pages.thread is not None and not pages.thread.is_alive()
+    pages.follow(4)
+    wait(pages)
+    assert pages.mapped == 16
+    assert resident_mib(caches) == 16 + 16
+    for _ in range(20):
+        pages.follow(10_000)
+        wait(pages)
+    assert pages.mapped == 64
+    assert resident_mib(caches) == 64 + 64
+    assert caches[1][12, 5].item() == 7 and caches[1].sum().item() == 7
+    assert caches[0].sum().item() == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")
+def test_without_the_kernels_help_pages_ahead_maps_only_the_first_stretch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Touching pages ahead in-step would cost what it saves: only the start's stretch."""
+    monkeypatch.setattr(huge_pages, "libc_madvise", lambda: None)
+    cache = zeros_on_huge_pages((64, 1 << 20), torch.uint8, torch.device("cpu"))
+    pages = PagesAhead([cache], 64, stretch=8)
+    assert not pages.background and pages.thread is None
+    assert resident_mib([cache]) == 8
+    pages.follow(60)
+    assert pages.mapped == 8 and resident_mib([cache]) == 8
+
+
+def test_the_runner_maps_pages_ahead_of_the_blocks_its_steps_write(tmp_path: Path) -> None:
+    model = load_model(build_tiny_llama_dir(tmp_path), torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, 4096, 16, torch.device("cpu"), torch.float32)
+    followed: list[int] = []
+    runner.pages.follow = followed.append  # type: ignore[method-assign]
+    inputs = StepInputs(token_ids=[1, 2, 3], positions=[0, 1, 0], slot_mappings=[[32, 33, 80]],
+                        query_lens=[2, 1], seq_lens=[2, 1], block_tables=[[[2], [5]]],
+                        sample_rows=[1, 2])
+    runner.run(inputs)
+    assert followed == [5]  # slot 80: block 5 of 16-token blocks

@@ -26,7 +26,7 @@ from engine.kv_cache_groups import KVCacheLayout
 from engine.layers.attention import PagedAttention
 from engine.layers.pinned_attributes import pin_attributes
 from engine.platform.host_copy import int_tensor
-from engine.platform.huge_pages import prefault, skews, zeros_on_huge_pages
+from engine.platform.huge_pages import PagesAhead, skews, zeros_on_huge_pages
 from engine.pooling.pooler import PoolSpan, pool_rows
 from engine.scheduler import ScheduledChunk
 
@@ -43,8 +43,9 @@ def slots_of(table: list[int], start: int, end: int, block_size: int) -> list[in
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-# KV cache bytes whose pages are touched at start (engine.platform.huge_pages): a W1 run at
-# concurrency 64 on the default model stays inside them.
+# KV cache bytes whose pages are mapped at start, and then ahead of the blocks steps write
+# (engine.platform.huge_pages.PagesAhead): a W1 run at concurrency 64 on the default model
+# stays inside the first stretch.
 PREFAULT_BYTES = 512 << 20
 
 
@@ -178,11 +179,12 @@ class ModelRunner:
         storage = [(zeros_on_huge_pages(shape, cache_dtype, device, next(skew)),
                     zeros_on_huge_pages(shape, cache_dtype, device, next(skew)))
                    for _ in range(self.layout.group_size)]
-        # The pool hands out low block ids first: their pages are mapped now, not mid-step.
+        # The pool hands out low block ids first: their pages are mapped now and then a
+        # stretch ahead of the blocks steps write, not mid-step.
         caches = list(itertools.chain.from_iterable(storage))
         block_bytes = caches[0][0].numel() * caches[0].element_size()
-        first_blocks = min(num_blocks + 1, PREFAULT_BYTES // (block_bytes * len(caches)))
-        self.prefaulting = prefault(caches, first_blocks * block_bytes)
+        self.pages = PagesAhead(caches, num_blocks + 1,
+                                stretch=PREFAULT_BYTES // (block_bytes * len(caches)))
         self.kv_caches = [storage[self.layout.place(layer)[1]]
                           for layer in range(model.num_layers)]
         if is_quantized(cache_dtype):
@@ -263,6 +265,8 @@ class ModelRunner:
             give_way: Callable[[], bool] | None = None) -> torch.Tensor:
         """The step's forward; float32 logits of its sample rows (in the runner's buffer:
         read them before the next step)."""
+        highest_slot = max((max(slots) for slots in inputs.slot_mappings if slots), default=-1)
+        self.pages.follow(highest_slot // self.block_size)
         graphs = self.graphs
         if graphs is not None and inputs.is_decode_only and not inputs.pooling \
                 and graphs.serves(len(inputs.token_ids),

@@ -9,10 +9,11 @@ mapping, advised before its pages are first touched. A fresh mapping reads as ze
 being written: a large cache takes memory as blocks are used. A page's first touch is dear,
 though (on the 2-vCPU VM of docs/benchmarks.md, ~2 ms per 2 MiB page: a decode step that
 opened new blocks in every layer's cache paid ~15 ms, and far more where every layer's cache
-crossed into a fresh huge page at once: `skews`), so `prefault` maps the blocks the
-pool hands out first at start: in a thread where the kernel can do it without writing
-(`MADV_POPULATE_WRITE`, Linux 5.14), so the engine does not wait ~0.6 s for 512 MiB of a
-fresh VM's pages before it serves. Elsewhere the cache is an ordinary zeroed tensor.
+crossed into a fresh huge page at once: `skews`), so `PagesAhead` maps the blocks the
+pool hands out first at start, and then a stretch ahead of the blocks steps write: in a thread
+where the kernel can do it without writing (`MADV_POPULATE_WRITE`, Linux 5.14), so the engine
+does not wait ~0.6 s for 512 MiB of a fresh VM's pages before it serves, nor ~10 ms a page
+mid-step once its cache outgrows them. Elsewhere the cache is an ordinary zeroed tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import mmap
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -62,48 +64,99 @@ def skews(count: int) -> list[float]:
     return [index / count for index in range(count)]
 
 
-def populate(tensor: torch.Tensor, nbytes: int) -> None:
-    """Touches the first `nbytes` of a CPU tensor's pages (their values are kept)."""
-    if tensor.device.type != "cpu" or nbytes <= 0:
+def populate(tensor: torch.Tensor, end: int, start: int = 0) -> None:
+    """Touches bytes [start, end) of a CPU tensor's pages (their values are kept)."""
+    if tensor.device.type != "cpu" or end <= start:
         return
-    flat = tensor.view(-1).view(torch.uint8)[:nbytes]
+    flat = tensor.view(-1).view(torch.uint8)[start:end]
     flat[::PAGE_BYTES].add_(0)  # one write per page: the kernel maps (and zeroes) each once
 
 
-def prefault(tensors: list[torch.Tensor], nbytes: int) -> threading.Thread | None:
-    """Maps the first `nbytes` of each CPU tensor's pages, their values kept. Where the kernel
+def prefault(tensors: list[torch.Tensor], end: int, start: int = 0) -> threading.Thread | None:
+    """Maps bytes [start, end) of each CPU tensor's pages, their values kept. Where the kernel
     populates pages on request (nothing written: the engine may use them meanwhile), a thread
     does it, returned; else they are touched here (`populate`) and None returned."""
     tensors = [tensor for tensor in tensors if tensor.device.type == "cpu"]
-    if not tensors or nbytes <= 0:
+    if not tensors or end <= start:
         return None
-    if not populate_write(tensors[0], PAGE_BYTES):  # the kernel's answer, on one page
+    if not populates_in_background(tensors[0]):
         for tensor in tensors:
-            populate(tensor, nbytes)
+            populate(tensor, end, start)
         return None
-    thread = threading.Thread(target=populate_all, args=(tensors, nbytes), name="kv-prefault",
-                              daemon=True)
+    thread = threading.Thread(target=populate_all, args=(tensors, end, start),
+                              name="kv-prefault", daemon=True)
     thread.start()
     return thread
 
 
-def populate_all(tensors: list[torch.Tensor], nbytes: int) -> None:
+def populates_in_background(tensor: torch.Tensor) -> bool:
+    """Whether the kernel maps pages on request (asked on the tensor's first page)."""
+    return tensor.device.type == "cpu" and populate_write(tensor, PAGE_BYTES)
+
+
+def populate_all(tensors: list[torch.Tensor], end: int, start: int = 0) -> None:
     for tensor in tensors:
-        if not populate_write(tensor, nbytes):
-            logger.warning("could not map the KV cache's first pages ahead of use")
+        if not populate_write(tensor, end, start):
+            logger.warning("could not map the KV cache's pages ahead of use")
             return
 
 
-def populate_write(tensor: torch.Tensor, nbytes: int) -> bool:
-    """madvise(MADV_POPULATE_WRITE) over the pages holding a tensor's first `nbytes` (through
-    ctypes, which lets go of the GIL for the call); False where the platform refuses it."""
+def populate_write(tensor: torch.Tensor, end: int, start: int = 0) -> bool:
+    """madvise(MADV_POPULATE_WRITE) over the pages holding a tensor's bytes [start, end)
+    (through ctypes, which lets go of the GIL for the call); False where the platform refuses
+    it."""
     madvise = libc_madvise()
     if madvise is None:
         return False
-    start = tensor.data_ptr()
-    end = start + min(nbytes, tensor.numel() * tensor.element_size())
-    first_page = start - start % PAGE_BYTES
-    return madvise(first_page, end - first_page, MADV_POPULATE_WRITE) == 0
+    base = tensor.data_ptr()
+    first = base + start
+    last = base + min(end, tensor.numel() * tensor.element_size())
+    if last <= first:
+        return True
+    first_page = first - first % PAGE_BYTES
+    return madvise(first_page, last - first_page, MADV_POPULATE_WRITE) == 0
+
+
+@dataclass
+class PagesAhead:
+    """Maps the KV cache's pages a stretch of blocks ahead of the highest block a step writes,
+    in a thread. The pool hands out low block ids first, so the blocks steps open next lie just
+    past the highest written so far; mapped before, their pages' first touch (milliseconds
+    each) is not paid inside a step. At most one stretch is mapped beyond what steps reach, so
+    a large cache still takes memory as it is used. Where the kernel cannot map pages in the
+    background (Linux before 5.14) only the first stretch is mapped, at start."""
+
+    caches: list[torch.Tensor]  # each indexed by block id on its first dimension
+    num_blocks: int
+    stretch: int  # blocks mapped at a time
+    mapped: int = 0  # blocks [0, mapped) of every cache are mapped or being mapped
+    thread: threading.Thread | None = None
+    background: bool = False
+
+    def __post_init__(self) -> None:
+        self.caches = [cache for cache in self.caches if cache.device.type == "cpu"]
+        self.background = bool(self.caches) and populates_in_background(self.caches[0])
+        self._map_next()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.caches[0][0].numel() * self.caches[0].element_size()
+
+    def follow(self, highest_block: int) -> None:
+        """A step writes blocks up to `highest_block`: within half a stretch of what is mapped,
+        the next stretch is mapped (once the one before has been)."""
+        if not self.background or self.mapped >= self.num_blocks \
+                or highest_block < self.mapped - self.stretch // 2:
+            return
+        if self.thread is None or not self.thread.is_alive():
+            self._map_next()
+
+    def _map_next(self) -> None:
+        if not self.caches or self.stretch <= 0:
+            return
+        start, self.mapped = self.mapped, min(self.num_blocks, self.mapped + self.stretch)
+        self.thread = prefault(self.caches, self.mapped * self.block_bytes,
+                               start * self.block_bytes)
 
 
 @functools.cache
