@@ -142,6 +142,32 @@ constexpr int64_t kResidentDims = 64;
 // weights then reach up to 2^12, far inside fp32 and bf16.
 constexpr float kRaiseMaxBy = 12.f;
 
+// rows[i] lane j -> rows[j] lane i, for 16 rows of 16 floats: pairs, then quads interleaved
+// within 128-bit lanes, then the 4 x 4 blocks of lanes.
+inline void transpose16(__m512 rows[16]) {
+  __m512 pairs[16], quads[16];
+  for (int k = 0; k < 16; k += 2) {
+    pairs[k] = _mm512_unpacklo_ps(rows[k], rows[k + 1]);
+    pairs[k + 1] = _mm512_unpackhi_ps(rows[k], rows[k + 1]);
+  }
+  for (int k = 0; k < 16; k += 4)  // quads[k + m], lane L: rows k..k+3 at column 4L + m
+    for (int half = 0; half < 2; ++half) {
+      const __m512d a = _mm512_castps_pd(pairs[k + half]), b = _mm512_castps_pd(pairs[k + 2 + half]);
+      quads[k + 2 * half] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      quads[k + 2 * half + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int m = 0; m < 4; ++m) {  // rows[4L + m] = lane L of quads[m], [4 + m], [8 + m], [12 + m]
+    const __m512 low01 = _mm512_shuffle_f32x4(quads[m], quads[4 + m], 0x44);
+    const __m512 high01 = _mm512_shuffle_f32x4(quads[m], quads[4 + m], 0xEE);
+    const __m512 low23 = _mm512_shuffle_f32x4(quads[8 + m], quads[12 + m], 0x44);
+    const __m512 high23 = _mm512_shuffle_f32x4(quads[8 + m], quads[12 + m], 0xEE);
+    rows[m] = _mm512_shuffle_f32x4(low01, low23, 0x88);
+    rows[4 + m] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
+    rows[8 + m] = _mm512_shuffle_f32x4(high01, high23, 0x88);
+    rows[12 + m] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+  }
+}
+
 // Weights of two keys for 16 queries -> one row of P^T: each query's two bf16 side by side.
 inline __m512i key_pair(__m512 even, __m512 odd) {
   const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // [even x16, odd x16]
@@ -158,16 +184,17 @@ class RowBlock {
       : c_(c), s_(s), w_(w), head_(head), row0_(row0),
         rows_(std::min<int64_t>(kRows, c.query_len - row0)), first_(c.first_pos() + row0),
         resident_(s.tiles && s.dim <= kResidentDims) {
-    // Q^T: the rows' dim pairs gathered across them (rows past the chunk read as 0).
+    // Q^T: 16 dim pairs of the 16 rows at a time, transposed (rows past the chunk as 0).
     const auto* pairs = reinterpret_cast<const int*>(q + (c.q_start + row0) * q_stride +
                                                      head * s.dim);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                             5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(int(q_stride / 2)));
-    for (int64_t i = 0; i < s.dim / 2; ++i)
-      _mm512_store_si512(&w.queries_t[0][0][0] + i * kRows,
-                         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes_below(rows_),
-                                                     rows, pairs + i, 4));
+    for (int64_t chunk = 0; chunk < s.dim / 32; ++chunk) {
+      __m512 block[16];
+      for (int r = 0; r < 16; ++r)
+        block[r] = r < rows_ ? _mm512_loadu_ps(pairs + r * (q_stride / 2) + 16 * chunk)
+                             : _mm512_setzero_ps();
+      transpose16(block);
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(w.queries_t[chunk][i], block[i]);
+    }
   }
 
   // Keys [begin, end): the first step's start is a multiple of kStep.
@@ -362,20 +389,20 @@ class RowBlock {
     (void)d;
   }
 
-  // Row j of the output: column j of O^T over the total, 16 dims at a time.
+  // Row j of the output: column j of O^T over the total, 16 dims at a time (16 x 16 blocks
+  // of O^T transposed in registers).
   void write_out(uint16_t* out) const {
     alignas(64) float inverse[16];
     _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.f), total_));
-    const __m512i dims = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                             5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(kRows));
-    for (int64_t j = 0; j < rows_; ++j) {
-      uint16_t* dst = out + ((c_.q_start + row0_ + j) * s_.num_heads + head_) * s_.dim;
-      for (int64_t d = 0; d < s_.dim; d += 16) {
-        const __m512 column = _mm512_i32gather_ps(dims, &w_.sums[d][j], 4);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(column,
-                                                                      _mm512_set1_ps(inverse[j]))));
+    for (int64_t d = 0; d < s_.dim; d += 16) {
+      __m512 block[16];
+      for (int i = 0; i < 16; ++i) block[i] = _mm512_load_ps(w_.sums[d + i]);
+      transpose16(block);
+      for (int64_t j = 0; j < rows_; ++j) {
+        uint16_t* dst = out + ((c_.q_start + row0_ + j) * s_.num_heads + head_) * s_.dim + d;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                block[j], _mm512_set1_ps(inverse[j]))));
       }
     }
   }
