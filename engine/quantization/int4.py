@@ -25,7 +25,8 @@ INT4_ZERO_POINT = 8  # torch's int4 kernels store a group's zero as its value at
 # (no AMX) 4.7 ms at 1 row, 6.0 at 8, 12.7 at 16, 23.1 at 32, 38.7 at 56 rows, the bf16 copy
 # 16.5, 24.9 and 43.4 at 16, 32 and 56, and even at 64 (docs/benchmarks.md, "The grouped int4
 # kernel up to 56 rows"). With AMX the copy's products run on tiles: unmeasured there, it keeps
-# the 16 rows it had.
+# the 16 rows it had. Without the grouped kernel, torch's int4 kernel is slower than the copy
+# above 4 rows (max_kernel_rows).
 GROUPED_KERNEL_ROWS = 56
 GROUPED_KERNEL_ROWS_AMX = 16
 
