@@ -378,6 +378,7 @@ def map_every_cache_page(core: EngineCore) -> None:
     caches = {cache.data_ptr(): cache for pair in core.runner.kv_caches for cache in pair}
     for cache in caches.values():
         populate(cache, cache.numel() * cache.element_size())
+    core.runner.pages.mapped = core.runner.pages.num_blocks  # no mapping thread mid-profile
 
 
 def main() -> None:
