@@ -67,7 +67,6 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rotary, RotaryTables
 from engine.platform.cpu import kernel_flags
-from engine.platform.huge_pages import populate
 from engine.quantization import base as quantization_base
 from engine.quantization import int4, int8, q8_0, w8a8
 from engine.quantization.base import QuantizedLinear
@@ -365,20 +364,11 @@ def make_core(args: argparse.Namespace, mode: str, quantization: str) -> EngineC
     if args.tensor_parallel_size > 1:  # as the engine process does: rank 0 on its cores
         keep_to_cores(0, rank_layout(config), torch.device("cpu"))
     core = EngineCore(config)
-    map_every_cache_page(core)
+    # Every KV page mapped now, as a server that has run a while has: a page's first touch costs
+    # milliseconds (engine.platform.huge_pages), which long contexts would otherwise pay inside
+    # the profiled steps, as KV writes.
+    core.runner.pages.map_all()
     return core
-
-
-def map_every_cache_page(core: EngineCore) -> None:
-    """Maps the whole KV cache now, as a server that has run a while has: its first touch of a
-    2 MiB page costs milliseconds (engine.platform.huge_pages), which long contexts would
-    otherwise pay inside the profiled steps, as KV writes."""
-    if core.runner.pages.thread is not None:
-        core.runner.pages.thread.join()
-    caches = {cache.data_ptr(): cache for pair in core.runner.kv_caches for cache in pair}
-    for cache in caches.values():
-        populate(cache, cache.numel() * cache.element_size())
-    core.runner.pages.mapped = core.runner.pages.num_blocks  # no mapping thread mid-profile
 
 
 def main() -> None:

@@ -214,3 +214,16 @@ def test_the_runner_maps_pages_ahead_of_the_blocks_its_steps_write(tmp_path: Pat
                         sample_rows=[1, 2])
     runner.run(inputs)
     assert followed == [5]  # slot 80: block 5 of 16-token blocks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mappings")
+def test_map_all_maps_every_page_at_once_and_keeps_the_values() -> None:
+    caches = [zeros_on_huge_pages((64, 1 << 20), torch.uint8, torch.device("cpu"))
+              for _ in range(2)]
+    caches[0][40, 3] = 5
+    pages = PagesAhead(caches, 64, stretch=8)
+    pages.map_all()
+    assert pages.mapped == 64 and resident_mib(caches) == 64 + 64
+    assert caches[0].sum().item() == 5 and caches[1].sum().item() == 0
+    pages.follow(63)  # nothing left to map: no thread starts
+    assert pages.thread is None or not pages.thread.is_alive()

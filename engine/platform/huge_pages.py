@@ -159,6 +159,14 @@ class PagesAhead:
         if self.thread is None or not self.thread.is_alive():
             self._map_next()
 
+    def map_all(self) -> None:
+        """Maps every page now, here (as a cache that steps have used whole is mapped)."""
+        if self.thread is not None:
+            self.thread.join()
+        for cache in self.caches:
+            populate(cache, cache.numel() * cache.element_size())
+        self.mapped = self.num_blocks
+
     def _map_next(self) -> None:
         if not self.caches or self.stretch <= 0:
             return
