@@ -17,6 +17,10 @@ inline __m512 widen_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+inline __m512 load_bf16(const uint16_t* p) {  // p[0..16)
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // The live lanes of p[0..16) (the others read as 0).
 inline __m512 load_bf16(const uint16_t* p, __mmask16 live) {
   return widen_bf16(_mm256_maskz_loadu_epi16(live, p));

@@ -16,6 +16,7 @@
 //
 // A row's sums run in one order whatever shares the call (no split over k, each row's
 // accumulators its own): a row's bits never depend on the other rows.
+#include "bf16_vectors.h"
 #include "numerics.h"
 
 #include <algorithm>
@@ -23,9 +24,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-
+#if defined(LOOM_BF16_VECTORS)
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -49,11 +48,6 @@ struct Problem {
     return reinterpret_cast<const uint16_t*>(block_at(expert, tile, group) + kCodeBytes);
   }
 };
-
-inline __m512 bf16_to_float(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 inline __m512bh pair(const uint16_t* x, int64_t index) {  // x[2i], x[2i + 1] in every lane
   return (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(x)[index]);
@@ -116,7 +110,7 @@ void block(const Problem& p, int64_t expert, int64_t tile, int64_t row) {
       const int64_t g = first + i;
       for (int t = 0; t < T; ++t) {
         const uint16_t* sz = p.scales(expert, tile + t, g);
-        const __m512 scale = bf16_to_float(sz), zero = bf16_to_float(sz + kTile);
+        const __m512 scale = load_bf16(sz), zero = load_bf16(sz + kTile);
         const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(136.f), zero);
         for (int r = 0; r < R; ++r) {
           const __m512 sum = _mm512_set1_ps(p.group_sums[(row + r) * groups + g]);
@@ -129,7 +123,7 @@ void block(const Problem& p, int64_t expert, int64_t tile, int64_t row) {
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.y + (row + r) * p.n + (tile + t) * kTile),
-                          (__m256i)_mm512_cvtneps_pbh(total[t][r]));
+                          to_bf16(total[t][r]));
 }
 
 // Tiles taken at once: enough independent sums to hide vdpbf16ps's latency with few rows,
@@ -201,7 +195,7 @@ extern "C" int loom_moe_int4(const uint16_t* x, int64_t rows, const int64_t* cou
   std::vector<float> group_sums(rows * groups);
   for (int64_t i = 0; i < rows * groups; ++i)  // each in one order: a vector's lanes, folded
     group_sums[i] = _mm512_reduce_add_ps(
-        _mm512_add_ps(bf16_to_float(x + i * kGroup), bf16_to_float(x + i * kGroup + kTile)));
+        _mm512_add_ps(load_bf16(x + i * kGroup), load_bf16(x + i * kGroup + kTile)));
   const Problem p{x, group_sums.data(), blocks, y, n, k};
   // Long tasks (fewer cold starts of the codes' streams), yet several per thread.
   const int64_t per_task = std::clamp<int64_t>(p.tiles() * active / (4 * threads), 8, 32);

@@ -401,8 +401,7 @@ class RowBlock {
       for (int64_t j = 0; j < rows_; ++j) {
         uint16_t* dst = out + ((c_.q_start + row0_ + j) * s_.num_heads + head_) * s_.dim + d;
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
-                                block[j], _mm512_set1_ps(inverse[j]))));
+                            to_bf16(_mm512_mul_ps(block[j], _mm512_set1_ps(inverse[j]))));
       }
     }
   }
