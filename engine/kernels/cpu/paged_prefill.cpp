@@ -142,32 +142,6 @@ constexpr int64_t kResidentDims = 64;
 // weights then reach up to 2^12, far inside fp32 and bf16.
 constexpr float kRaiseMaxBy = 12.f;
 
-// rows[i] lane j -> rows[j] lane i, for 16 rows of 16 floats: pairs, then quads interleaved
-// within 128-bit lanes, then the 4 x 4 blocks of lanes.
-inline void transpose16(__m512 rows[16]) {
-  __m512 pairs[16], quads[16];
-  for (int k = 0; k < 16; k += 2) {
-    pairs[k] = _mm512_unpacklo_ps(rows[k], rows[k + 1]);
-    pairs[k + 1] = _mm512_unpackhi_ps(rows[k], rows[k + 1]);
-  }
-  for (int k = 0; k < 16; k += 4)  // quads[k + m], lane L: rows k..k+3 at column 4L + m
-    for (int half = 0; half < 2; ++half) {
-      const __m512d a = _mm512_castps_pd(pairs[k + half]), b = _mm512_castps_pd(pairs[k + 2 + half]);
-      quads[k + 2 * half] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      quads[k + 2 * half + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    }
-  for (int m = 0; m < 4; ++m) {  // rows[4L + m] = lane L of quads[m], [4 + m], [8 + m], [12 + m]
-    const __m512 low01 = _mm512_shuffle_f32x4(quads[m], quads[4 + m], 0x44);
-    const __m512 high01 = _mm512_shuffle_f32x4(quads[m], quads[4 + m], 0xEE);
-    const __m512 low23 = _mm512_shuffle_f32x4(quads[8 + m], quads[12 + m], 0x44);
-    const __m512 high23 = _mm512_shuffle_f32x4(quads[8 + m], quads[12 + m], 0xEE);
-    rows[m] = _mm512_shuffle_f32x4(low01, low23, 0x88);
-    rows[4 + m] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
-    rows[8 + m] = _mm512_shuffle_f32x4(high01, high23, 0x88);
-    rows[12 + m] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
-  }
-}
-
 // Weights of two keys for 16 queries -> one row of P^T: each query's two bf16 side by side.
 inline __m512i key_pair(__m512 even, __m512 odd) {
   const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // [even x16, odd x16]
