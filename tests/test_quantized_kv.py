@@ -91,6 +91,40 @@ def test_windows_soft_caps_and_drafted_rows_over_an_int8_cache(
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (8, 2, 128, 16), (8, 1, 64, 32), (4, 4, 64, 16)])
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
+def test_bf16_queries_over_int8_keys_score_as_fp32_queries_do(
+        heads: int, kv_heads: int, head_dim: int, block_size: int, outlier: bool) -> None:
+    """bf16 queries over an int8 cache take integer products where the CPU has AVX512-VNNI
+    (each query head on a 15-bit grid of its largest value, the sums exact): the outputs
+    must be fp32 products' on the same grid's query (or on the query itself, without them),
+    to the bf16 output's rounding. `outlier`: one dim of every query 100x the rest."""
+    assert paged_decode.load_cpp_decode() is not None, "the C++ decode kernel did not build"
+    torch.manual_seed(11)
+    seq_lens = [1, 2, 15, 16, 17, 40, 64, 100, 129, 300]
+    per_request = -(-max(seq_lens) // block_size)
+    num_blocks = per_request * len(seq_lens)
+    def cache() -> torch.Tensor:
+        rows = quantize_rows(torch.randn(num_blocks * kv_heads * block_size, head_dim), torch.int8)
+        return rows.view(num_blocks, kv_heads, block_size, head_dim + SCALE_BYTES)
+    k_cache, v_cache = cache(), cache()
+    tables = torch.randperm(num_blocks).view(len(seq_lens), per_request)
+    batch = DecodeBatch(rows=list(range(len(seq_lens))), seq_lens=seq_lens,
+                        row_index=torch.arange(len(seq_lens)), lens=torch.tensor(seq_lens),
+                        block_tables=tables, max_block=num_blocks - 1)
+    q = (torch.randn(len(seq_lens), heads, head_dim) * 3).bfloat16()
+    if outlier:
+        q[..., 5] *= 100
+    scale = head_dim**-0.5
+    as_scored = paged_decode.query_as_coded(q, scale) if paged_decode.int8_key_products() else q
+    want = torch.empty(q.shape)
+    paged_decode.run_paged_decode(as_scored.float(), k_cache, v_cache, batch, scale, want)
+    got = torch.empty(q.shape, dtype=torch.bfloat16)
+    paged_decode.run_paged_decode(q, k_cache, v_cache, batch, scale, got)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2.0**-8)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256], ids=["vector", "scalar"])
 @pytest.mark.parametrize("codes", list(CODES))
 def test_the_kernel_reads_every_code_as_torch_converts_it(codes: str, head_dim: int) -> None:

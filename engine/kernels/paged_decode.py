@@ -90,7 +90,30 @@ def load_cpp_library() -> ctypes.CDLL | None:
         "loom_write_kv_codes": ([PTR, I64, PTR, I64, INT, PTR, PTR, PTR, I64, I64, I64], None),
         "loom_paged_decode": ([INT, INT, PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, I64, I64,
                                I64, I64, I64, FLOAT, I64, FLOAT, INT, PTR, INT], ctypes.c_int),
+        "loom_int8_key_products": ([], ctypes.c_int),
     })
+
+
+QUERY_CODE_TOP = 16383  # int8_vnni.h's kQueryTop
+
+
+def int8_key_products() -> bool:
+    """Whether int8 keys under bf16 queries are multiplied as integers (AVX512-VNNI): each
+    query head then scores as its values rounded to multiples of 1/16383 of its largest,
+    after the softmax scale (`query_as_coded`)."""
+    library = load_cpp_library()
+    return library is not None and bool(library.loom_int8_key_products())
+
+
+def query_as_coded(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 queries that score, through fp32 products, as `int8_key_products` scores `q`:
+    each head's scaled values on its 15-bit grid, divided by the scale again."""
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    scaled = q.float() * scale_t
+    top = scaled.abs().amax(-1, keepdim=True)
+    # A true division, as the kernel's (a scalar over a tensor is a reciprocal times it).
+    to_int = torch.where(top > 0, torch.full_like(top, QUERY_CODE_TOP) / top, 0.0)
+    return torch.round(scaled * to_int) * (top / QUERY_CODE_TOP) / scale_t
 
 
 @functools.cache

@@ -8,10 +8,13 @@
 // take tile products (DecodeTiles); elsewhere the compiler vectorizes the plain loops (or
 // AVX2 where the CPU has it). An 8-bit cache (int8 or fp8 codes, each row's fp32 scale after
 // its codes: engine/attention/quantized_kv.py) takes AVX-512 or AVX2 the same way, its codes
-// widened to fp32 as they are read and a row's scale applied to its score and its weight.
+// widened to fp32 as they are read and a row's scale applied to its score and its weight;
+// int8 keys under bf16 queries are multiplied as integers where the CPU has AVX512-VNNI
+// (int8_vnni.h).
 #include "amx.h"
 #include "avx2.h"
 #include "avx512.h"
+#include "int8_vnni.h"
 #include "numerics.h"
 
 #include <algorithm>
@@ -735,19 +738,36 @@ inline void add_weighted_codes(const C* rows, const float* weights, int64_t len,
   }
 }
 
+// int8 rows under bf16 queries go through int8_vnni.h's integer products where the CPU has
+// them (their 15-bit query carries ~1e-4 of its largest value, far below bf16's own
+// rounding); fp32 queries keep fp32 products.
+template <typename T, typename C>
+#if defined(LOOM_INT8_VNNI)
+constexpr bool kInt8Products = std::is_same_v<C, int8_t> && std::is_same_v<T, uint16_t>;
+#else
+constexpr bool kInt8Products = false;
+#endif
+
 template <typename T, typename C, int kDim, int kGroup>
 void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
                          int64_t, const Task& a, T* out, std::vector<float>& scores,
                          std::vector<float>& scratch) {
   constexpr int64_t kRow = kGroup * kDim;  // one KV head's query (or output) rows
+  constexpr int64_t kRowBytes = row_width<C>(kDim);
   const int64_t bs = a.block_size, heads = a.num_task_heads;
-  const int64_t block_elems = bs * row_width<C>(kDim);
+  const int64_t block_elems = bs * kRowBytes;
   const auto [skipped, len, head_start, num_blocks] = Walk(a);
   table += skipped / bs;
   auto block_ptr = [&](const C* cache, int64_t b) {
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
-  scratch.resize(2 * heads * kRow + 2 * heads * kGroup);
+#if defined(LOOM_INT8_VNNI)
+  using QueryCode = QueryCodes<kDim>;
+  constexpr int64_t kCodeFloats = kInt8Products<T, C> ? sizeof(QueryCode) / sizeof(float) : 0;
+#else
+  constexpr int64_t kCodeFloats = 0;
+#endif
+  scratch.resize(2 * heads * kRow + 2 * heads * kGroup + heads * kGroup * kCodeFloats);
   float* query = scratch.data();  // [heads][kGroup][kDim], times the scale
   float* acc = query + heads * kRow;  // [heads][kGroup][kDim]
   float* maxes = acc + heads * kRow;  // [heads][kGroup]
@@ -755,6 +775,11 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
   scaled_query(q, a, heads * kGroup, kDim, query, kDim);
   std::fill(acc, acc + heads * kRow, 0.f);
   std::fill(maxes, maxes + heads * kGroup, -INFINITY);
+#if defined(LOOM_INT8_VNNI)
+  auto* coded = reinterpret_cast<QueryCode*>(inv_sums + heads * kGroup);  // [heads][kGroup]
+  if constexpr (kInt8Products<T, C>)
+    for (int64_t i = 0; i < heads * kGroup; ++i) code_query<kDim>(query + i * kDim, coded[i]);
+#endif
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
   const int64_t span = heads * block_elems;  // bytes: codes are one byte
@@ -769,13 +794,20 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
       float* sh = s + h * kGroup * len + start;
       float* mh = maxes + h * kGroup;
       for (int64_t t = 0; t < count; t += 16) {
-        const C* block_rows = rows + t * row_width<C>(kDim);
+        const C* block_rows = rows + t * kRowBytes;
         const __mmask16 live = lanes_below(count - t);
         const __mmask16 seen = __mmask16(live & ~lanes_below(t0 - t));
         const __m512 scale16 = row_scales16<C, kDim>(block_rows, live);
+        const char* rows_ahead = row_at(ahead, t, kRowBytes);
         __m512 dots[kGroup];
-        code_dots16<C, kDim, kGroup>(block_rows, query + h * kRow, dots,
-                                     row_at(ahead, t, row_width<C>(kDim)));
+#if defined(LOOM_INT8_VNNI)
+        if constexpr (kInt8Products<T, C>)
+          int8_dots16<kDim, kGroup, kRowBytes>(
+              block_rows, coded + h * kGroup, dots,
+              [&](int row) { prefetch_sixteenth<kRowBytes>(rows_ahead, row); });
+        else
+#endif
+          code_dots16<C, kDim, kGroup>(block_rows, query + h * kRow, dots, rows_ahead);
         for (int g = 0; g < kGroup; ++g)
           keep_scores16(dots[g], scale16, a.softcap, live, seen, sh + g * len + t, mh[g]);
       }
@@ -1316,6 +1348,9 @@ extern "C" void loom_write_kv(const char* k, int64_t k_stride, const char* v, in
 
 // codes: the caches hold 8-bit codes and scales, int8 (1), fp8 e4m3fn (2) or e5m2 (3);
 // 0: values of q's dtype.
+// 1 where int8 keys under bf16 queries are multiplied as integers (int8_vnni.h), else 0.
+extern "C" int loom_int8_key_products() { return kInt8Products<uint16_t, int8_t> ? 1 : 0; }
+
 extern "C" int loom_paged_decode(int is_bf16, int codes, const void* q, int64_t q_stride,
                                  const void* k_cache, const void* v_cache, const int64_t* tables,
                                  int64_t table_stride, const int64_t* seq_lens,
