@@ -3,6 +3,7 @@ optionally, one prefill step, in each forward mode.
 
     python -m bench.profile_step [--model DIR] [--dtype auto] [--batch 1,64] [--context 128]
         [--prefill 2048] [--steps 20] [--modes eager,taped,compiled] [--tensor-parallel-size 2]
+        [--kv-cache-dtype int8]
 
 The engine runs in-process (`EngineCore.step`: scheduler, runner, forward, sampler). Wall time
 is the median of unprofiled steps; the op classes come from a torch.profiler run of the same
@@ -359,7 +360,7 @@ def make_core(args: argparse.Namespace, mode: str, quantization: str) -> EngineC
         max_num_seqs=max(args.batch), enable_prefix_caching=False,
         max_num_batched_tokens=max(args.prefill or 0, 2048),
         compile=mode == "compiled", enforce_eager=mode == "eager", quantization=quantization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.tensor_parallel_size > 1:  # as the engine process does: rank 0 on its cores
         keep_to_cores(0, rank_layout(config), torch.device("cpu"))
@@ -384,6 +385,7 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,taped,compiled")
     parser.add_argument("--quantization", default="",
                         help="comma-separated --quantization methods, each profiled eager")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as the server's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks (this process is rank 0; its collectives' time, waits for "
@@ -414,7 +416,8 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
           f"{ranks}, "
           f"flags: {kernel_flags()}, torch {torch.__version__}, "
-          f"dtype {args.dtype}, context {args.context} tokens; ms per step (share)\n")
+          f"dtype {args.dtype}, KV cache {args.kv_cache_dtype}, context {args.context} tokens; "
+          "ms per step (share)\n")
     print("| step | wall ms | " + " | ".join(CLASSES) + " |")
     print("|---|--:|" + "--:|" * len(CLASSES))
     print("\n".join(rows))
