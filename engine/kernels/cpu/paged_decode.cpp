@@ -633,10 +633,10 @@ inline int64_t dim_at(const uint16_t*, int64_t i) {
 }
 
 // 16 tokens' dot products with one query head times `scale`, capped where softcap > 0 and
-// -inf outside `seen` (a sliding window's start): the `live` ones stored at `dst`, and `max`
-// raised to the largest seen one.
-inline void keep_scores16(__m512 dots, __m512 scale, float softcap, __mmask16 live,
-                          __mmask16 seen, float* dst, float& max) {
+// -inf outside `seen` (a sliding window's start): the `live` ones stored at `dst`, and
+// returned.
+inline __m512 stored_scores16(__m512 dots, __m512 scale, float softcap, __mmask16 live,
+                              __mmask16 seen, float* dst) {
   dots = _mm512_mul_ps(dots, scale);
   if (softcap > 0.f) {
     alignas(64) float capped_dots[16];
@@ -646,7 +646,23 @@ inline void keep_scores16(__m512 dots, __m512 scale, float softcap, __mmask16 li
   }
   dots = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), dots);
   _mm512_mask_storeu_ps(dst, live, dots);
+  return dots;
+}
+
+// As stored_scores16, `max` raised to the largest seen one.
+inline void keep_scores16(__m512 dots, __m512 scale, float softcap, __mmask16 live,
+                          __mmask16 seen, float* dst, float& max) {
+  dots = stored_scores16(dots, scale, softcap, live, seen, dst);
   if (seen) max = std::max(max, _mm512_mask_reduce_max_ps(seen, dots));
+}
+
+// As keep_scores16, raising each of 16 lane maxima (`top16`) instead of one: no reduction
+// across lanes per block.
+inline void keep_scores16(__m512 dots, __m512 scale, float softcap, __mmask16 live,
+                          __mmask16 seen, float* dst, float* top16) {
+  dots = stored_scores16(dots, scale, softcap, live, seen, dst);
+  const __m512 top = _mm512_loadu_ps(top16);
+  _mm512_storeu_ps(top16, _mm512_mask_max_ps(top, seen, top, dots));
 }
 
 // 8-bit rows (int8 or fp8 codes and their scale) in AVX-512: 16 codes widened to fp32 at a
@@ -767,16 +783,18 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
 #else
   constexpr int64_t kCodeFloats = 0;
 #endif
-  scratch.resize(2 * heads * kRow + 2 * heads * kGroup + heads * kGroup * kCodeFloats);
+  scratch.resize(2 * heads * kRow + 2 * heads * kGroup + heads * kGroup * kCodeFloats +
+                 heads * kGroup * 16);
   float* query = scratch.data();  // [heads][kGroup][kDim], times the scale
   float* acc = query + heads * kRow;  // [heads][kGroup][kDim]
   float* maxes = acc + heads * kRow;  // [heads][kGroup]
   float* inv_sums = maxes + heads * kGroup;  // [heads][kGroup]
   scaled_query(q, a, heads * kGroup, kDim, query, kDim);
   std::fill(acc, acc + heads * kRow, 0.f);
-  std::fill(maxes, maxes + heads * kGroup, -INFINITY);
+  float* tops = inv_sums + heads * kGroup;  // [heads][kGroup][16]: the lanes' largest scores
+  std::fill(tops, tops + heads * kGroup * 16, -INFINITY);
 #if defined(LOOM_INT8_VNNI)
-  auto* coded = reinterpret_cast<QueryCode*>(inv_sums + heads * kGroup);  // [heads][kGroup]
+  auto* coded = reinterpret_cast<QueryCode*>(tops + heads * kGroup * 16);  // [heads][kGroup]
   if constexpr (kInt8Products<T, C>)
     for (int64_t i = 0; i < heads * kGroup; ++i) code_query<kDim>(query + i * kDim, coded[i]);
 #endif
@@ -792,12 +810,11 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
       const C* rows = block_ptr(k_cache, b) + h * block_elems;
       const char* ahead = fetch.rows_ahead(k_cache, b, h * block_elems);
       float* sh = s + h * kGroup * len + start;
-      float* mh = maxes + h * kGroup;
+      float* top = tops + h * kGroup * 16;
       for (int64_t t = 0; t < count; t += 16) {
         const C* block_rows = rows + t * kRowBytes;
         const __mmask16 live = lanes_below(count - t);
         const __mmask16 seen = __mmask16(live & ~lanes_below(t0 - t));
-        const __m512 scale16 = row_scales16<C, kDim>(block_rows, live);
         const char* rows_ahead = row_at(ahead, t, kRowBytes);
         __m512 dots[kGroup];
 #if defined(LOOM_INT8_VNNI)
@@ -808,11 +825,16 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
         else
 #endif
           code_dots16<C, kDim, kGroup>(block_rows, query + h * kRow, dots, rows_ahead);
+        // Read after the rows: first, the 16 scales on 17 lines stalled the walk on them.
+        const __m512 scale16 = row_scales16<C, kDim>(block_rows, live);
         for (int g = 0; g < kGroup; ++g)
-          keep_scores16(dots[g], scale16, a.softcap, live, seen, sh + g * len + t, mh[g]);
+          keep_scores16(dots[g], scale16, a.softcap, live, seen, sh + g * len + t,
+                        top + 16 * g);
       }
     }
   }
+  for (int64_t i = 0; i < heads * kGroup; ++i)
+    maxes[i] = _mm512_reduce_max_ps(_mm512_loadu_ps(tops + 16 * i));
   fetch.first_of(v_cache);
   softmax_rows(s, heads * kGroup, len, maxes, inv_sums);
   for (int64_t b = 0; b < num_blocks; ++b) {
