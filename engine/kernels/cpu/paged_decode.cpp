@@ -1368,11 +1368,11 @@ extern "C" void loom_write_kv(const char* k, int64_t k_stride, const char* v, in
     }
 }
 
-// codes: the caches hold 8-bit codes and scales, int8 (1), fp8 e4m3fn (2) or e5m2 (3);
-// 0: values of q's dtype.
 // 1 where int8 keys under bf16 queries are multiplied as integers (int8_vnni.h), else 0.
 extern "C" int loom_int8_key_products() { return kInt8Products<uint16_t, int8_t> ? 1 : 0; }
 
+// codes: the caches hold 8-bit codes and scales, int8 (1), fp8 e4m3fn (2) or e5m2 (3);
+// 0: values of q's dtype.
 extern "C" int loom_paged_decode(int is_bf16, int codes, const void* q, int64_t q_stride,
                                  const void* k_cache, const void* v_cache, const int64_t* tables,
                                  int64_t table_stride, const int64_t* seq_lens,
