@@ -10,9 +10,6 @@
 
 #include "avx512.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define LOOM_INT8_VNNI 1
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -44,6 +41,13 @@ inline void code_query(const float* query, QueryCodes<kDim>& out) {
   out.scale = top / kQueryTop;
   out.bias = 128 * sum;
 }
+
+}  // namespace
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LOOM_INT8_VNNI 1
+
+namespace {
 
 inline __m512i broadcast_four(const int8_t* p) {
   int32_t four;

@@ -29,6 +29,16 @@
 
 namespace {
 
+// int8 rows under bf16 queries go through int8_vnni.h's integer products where the CPU has
+// them (their 15-bit query carries ~1e-4 of its largest value, far below bf16's own
+// rounding); fp32 queries keep fp32 products.
+template <typename T, typename C>
+#if defined(LOOM_INT8_VNNI)
+constexpr bool kInt8Products = std::is_same_v<C, int8_t> && std::is_same_v<T, uint16_t>;
+#else
+constexpr bool kInt8Products = false;
+#endif
+
 inline void prefetch(const void* ptr, int64_t bytes) {
   const char* p = static_cast<const char*>(ptr);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
@@ -754,16 +764,6 @@ inline void add_weighted_codes(const C* rows, const float* weights, int64_t len,
   }
 }
 
-// int8 rows under bf16 queries go through int8_vnni.h's integer products where the CPU has
-// them (their 15-bit query carries ~1e-4 of its largest value, far below bf16's own
-// rounding); fp32 queries keep fp32 products.
-template <typename T, typename C>
-#if defined(LOOM_INT8_VNNI)
-constexpr bool kInt8Products = std::is_same_v<C, int8_t> && std::is_same_v<T, uint16_t>;
-#else
-constexpr bool kInt8Products = false;
-#endif
-
 template <typename T, typename C, int kDim, int kGroup>
 void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
                          int64_t, const Task& a, T* out, std::vector<float>& scores,
@@ -777,12 +777,8 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
   auto block_ptr = [&](const C* cache, int64_t b) {
     return cache + (table[b] * a.num_kv_heads + a.head) * block_elems;
   };
-#if defined(LOOM_INT8_VNNI)
   using QueryCode = QueryCodes<kDim>;
   constexpr int64_t kCodeFloats = kInt8Products<T, C> ? sizeof(QueryCode) / sizeof(float) : 0;
-#else
-  constexpr int64_t kCodeFloats = 0;
-#endif
   scratch.resize(2 * heads * kRow + 2 * heads * kGroup + heads * kGroup * kCodeFloats +
                  heads * kGroup * 16);
   float* query = scratch.data();  // [heads][kGroup][kDim], times the scale
@@ -793,11 +789,9 @@ void decode_one_codes512(const T* q, const C* k_cache, const C* v_cache, const i
   std::fill(acc, acc + heads * kRow, 0.f);
   float* tops = inv_sums + heads * kGroup;  // [heads][kGroup][16]: the lanes' largest scores
   std::fill(tops, tops + heads * kGroup * 16, -INFINITY);
-#if defined(LOOM_INT8_VNNI)
   auto* coded = reinterpret_cast<QueryCode*>(tops + heads * kGroup * 16);  // [heads][kGroup]
   if constexpr (kInt8Products<T, C>)
     for (int64_t i = 0; i < heads * kGroup; ++i) code_query<kDim>(query + i * kDim, coded[i]);
-#endif
   scores.resize(heads * kGroup * len);
   float* s = scores.data();
   const int64_t span = heads * block_elems;  // bytes: codes are one byte
