@@ -95,6 +95,20 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert proposer.indexes == {}
 
 
+def test_prompt_lookup_min_from_the_config_reaches_the_ngram_source():
+    """Of the tail, only "5 6" (two tokens) occurred before: a minimum of 3 drafts nothing."""
+    tokens = [1, 5, 6, 3, 2, 4, 5, 6]
+    for lookup_min, drafts in ((3, []), (2, [3, 2, 4])):
+        config = SpeculativeConfig.parse(
+            '{"method": "ngram", "num_speculative_tokens": 3, '
+            f'"prompt_lookup_min": {lookup_min}, "prompt_lookup_max": 4}}')
+        speculator = Speculator(config, max_model_len=1000)
+        speculator.acceptance["r"] = Acceptance(accepted=9.0, decided=10.0)  # drafts pay
+        request = decoding("r", tokens, 4)
+        speculator.propose([request], step=1)
+        assert request.draft_token_ids == drafts, lookup_min
+
+
 def test_suffix_drafts_follow_frequent_continuations_and_learn_from_finished_requests():
     proposer = SuffixProposer(max_depth=8, max_spec_factor=4.0, min_token_prob=0.3,
                               max_cached_requests=1)
@@ -273,6 +287,51 @@ def test_drafts_stop_at_the_jump_in_step_time():
     speculator.acceptance["r"] = Acceptance(accepted=9.0, decided=10.0)  # q = 0.9
     speculator.propose([request], step=1)
     assert request.draft_token_ids == [5, 5, 5]
+
+
+def observe_a_mildly_rising_step_cost(speculator: Speculator) -> None:
+    for _ in range(20):
+        for rows in range(1, 40):
+            speculator.observe_step(rows, 0.020 * (1 + 0.03 * rows))  # 3% a row
+
+
+@pytest.mark.parametrize("num_others", [0, 3])
+def test_a_request_takes_fewer_drafts_as_its_drafts_are_rejected(num_others):
+    """Alone or beside other decoding requests: many drafts at q = 0.9, fewer at 0.5, none
+    (beyond a probe) at 0.1."""
+    speculator = speculator_with([5] * 6)
+    observe_a_mildly_rising_step_cost(speculator)
+    request = decoding("r", [1, 2, 3, 4], 3)
+    running = [request, *(decoding(f"o{i}", [1, 2, 3, 4], 3) for i in range(num_others))]
+    acceptance = speculator.acceptance["r"] = Acceptance(accepted=9.0, decided=10.0)
+    rates, counts = [], []
+    for step in range(1, 20):
+        rooms = {r.request_id: (r, 6) for r in running}
+        taken, _ = speculator._worth_taking(len(running), rooms, step)
+        rates.append(acceptance.rate)
+        counts.append(taken["r"])
+        speculator.record(request, [5] * 6, [6])  # the first draft rejected
+    assert counts == sorted(counts, reverse=True)
+    at_half = counts[next(i for i, rate in enumerate(rates) if rate <= 0.55)]
+    at_tenth = counts[next(i for i, rate in enumerate(rates) if rate <= 0.1)]
+    assert counts[0] >= 4 and counts[0] > at_half > 0 and at_tenth == 0
+
+
+def test_beside_a_request_whose_drafts_are_accepted_only_the_rejected_one_stops_drafting():
+    speculator = speculator_with([5] * 6)
+    observe_a_mildly_rising_step_cost(speculator)
+    accepted = decoding("a", [1, 2, 3, 4], 3)
+    rejected = decoding("b", [1, 2, 3, 4], 3)
+    accepted_counts, rejected_counts = [], []
+    for step in range(1, 41):
+        speculator.propose([accepted, rejected], step)
+        accepted_counts.append(len(accepted.draft_token_ids))
+        rejected_counts.append(len(rejected.draft_token_ids))
+        speculator.record(accepted, accepted.draft_token_ids, [*accepted.draft_token_ids, 7])
+        speculator.record(rejected, rejected.draft_token_ids, [7])
+    assert accepted_counts[10:] == [6] * 30
+    # After ten rounds, the rejected one verifies only a probe's single draft now and then.
+    assert max(rejected_counts[10:]) == 1 and sum(rejected_counts[10:]) <= 2
 
 
 def test_drafts_that_rarely_pay_stop_and_are_tried_again_after_a_growing_pause():
