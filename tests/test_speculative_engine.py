@@ -19,8 +19,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.protocol import AddRequest
 from common.sampling import SamplingParams
+from engine.block_manager import ROOT_HASH, hash_block
 from engine.request import Request
+from engine.speculative import verify
 from engine.speculative.speculator import Acceptance
+from frontend.choices import choice_requests
 from tests.engine_helpers import (
     assert_equals_transformers_generate,
     assert_greedy_equal_or_near_tie,
@@ -195,6 +198,57 @@ def test_sampled_output_keeps_the_models_distribution(tiny_model_dir, reference_
         assert statistic < chi_square_bound(degrees), (drafting, statistic, degrees)
 
 
+def test_unseeded_sampled_output_keeps_the_models_distribution_and_a_wrong_rule_would_not(
+        tiny_model_dir, reference_model, monkeypatch):
+    """As above, with unseeded requests: every row's noise comes from the engine's one shared
+    generator. Then, on the same engine, a broken acceptance rule (every fourth rejected
+    draft accepted anyway, so the likeliest 2nd token is drawn about (1 - p) / 4 too often)
+    fails the same test: the statistic can tell a wrong rule at this sample size."""
+    prompt = prompt_of(10, 7)
+    firsts = joint_distribution(reference_model, prompt, top_k=3)
+    likeliest_after = {}
+    for first in {pair[0] for pair in firsts}:
+        pairs = joint_distribution(reference_model, [*prompt, first], top_k=3)
+        likeliest_after[first] = max(pairs, key=pairs.get)[0]
+
+    def unseeded(name: str) -> list[AddRequest]:
+        return [AddRequest(f"{name}{index}", prompt, SamplingParams(
+            max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True), 0.0)
+            for index in range(2000)]
+
+    class PointMass(OracleDrafts):
+        def propose(self, request: Request, max_drafts: int) -> list[int]:
+            if request.num_output_tokens != 1:
+                return []
+            return [likeliest_after[request.output_token_ids[0]]][:max_drafts]
+
+    core = make_core(tiny_model_dir, max_num_seqs=256, max_num_batched_tokens=2048,
+                     speculative_config=NGRAM)
+    core.speculator.source = PointMass({})
+    core.speculator.cost = FixedCost()
+    outputs = run_to_completion(core, unseeded("u"))
+    totals = core.speculator.totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens == 2000
+    statistic, degrees = chi_square_of_pairs(outputs, reference_model, prompt)
+    assert statistic < chi_square_bound(degrees), (statistic, degrees)
+
+    right_rule = verify.accepted_tokens
+    rejections = itertools.count(1)
+
+    def every_fourth_rejection_accepted(drafts: list[int], samples: list[int]) -> list[int]:
+        taken = right_rule(drafts, samples)
+        if len(taken) <= len(drafts) and next(rejections) % 4 == 0:
+            return [*drafts[:len(taken)], samples[len(taken)]]
+        return taken
+
+    monkeypatch.setattr(verify, "accepted_tokens", every_fourth_rejection_accepted)
+    accepted_before = totals.num_accepted_tokens
+    broken = run_to_completion(core, unseeded("b"))
+    assert totals.num_accepted_tokens - accepted_before > accepted_before * 1.1
+    statistic, degrees = chi_square_of_pairs(broken, reference_model, prompt)
+    assert statistic > chi_square_bound(degrees), (statistic, degrees)
+
+
 def chi_square_of_pairs(outputs: dict[str, list[int]], reference, prompt: list[int],
                         ) -> tuple[float, int]:
     """Pearson's statistic of the (2nd, 3rd) tokens given the 1st against the exact
@@ -250,6 +304,32 @@ def test_seeded_samples_repeat_alone_beside_others_and_without_drafts(tiny_model
     assert core.speculator.totals.num_accepted_tokens > 0
 
 
+def test_n_seeded_samples_of_one_prompt_with_drafts_equal_them_without(tiny_model_dir):
+    """n=3 with a seed, as the frontend fans it out (seeds s, s+1, s+2, one prompt shared in
+    the prefix cache): each sample with oracle drafts, accepted in runs, equals the same
+    sample without drafts, and the three differ."""
+    prompt = prompt_of(40, 12)
+    requests = choice_requests("n3", [prompt], [SamplingParams(
+        max_tokens=30, temperature=0.9, top_p=0.95, seed=17, ignore_eos=True)], 3, 0.0)
+    assert [r.sampling.seed for r in requests] == [17, 18, 19]
+    plain = run_to_completion(make_core(tiny_model_dir), requests)
+    assert len({tuple(tokens) for tokens in plain.values()}) == 3
+    core = spec_core(tiny_model_dir, plain)
+    accepted: dict[str, int] = dict.fromkeys(plain, 0)
+    record = core.speculator.record
+
+    def recording(request, drafts, tokens):
+        accepted[request.request_id] += min(len(tokens) - 1, len(drafts))
+        record(request, drafts, tokens)
+
+    core.speculator.record = recording
+    assert run_to_completion(core, requests) == plain
+    assert all(count >= 5 for count in accepted.values()), accepted
+    assert core.speculator.totals.num_accepted_tokens == sum(accepted.values())
+    assert core.speculator.totals.num_accepted_tokens < core.speculator.totals.num_draft_tokens
+    assert core.block_manager.stats.hits > 0
+
+
 def test_stops_max_tokens_and_logprobs_behave_as_without_drafts(tiny_model_dir):
     prompts = [prompt_of(12, 1), prompt_of(20, 2)]
     plain = run_to_completion(make_core(tiny_model_dir), [greedy_request(p, 30, f"r{i}")
@@ -276,17 +356,22 @@ def test_stops_max_tokens_and_logprobs_behave_as_without_drafts(tiny_model_dir):
 
 
 def collect_with_logprobs(core, requests: list[AddRequest], reasons: dict[str, str],
+                          num_cached: dict[str, int] | None = None,
                           ) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Each request's tokens and logprobs (and, in `num_cached`, its prompt tokens found in
+    the prefix cache)."""
     for request in requests:
         core.add_request(request)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     logprobs: dict[str, list] = {r.request_id: [] for r in requests}
+    cached = {} if num_cached is None else num_cached
     while core.has_work:
         for output in core.step().outputs:
             assert output.request_id not in reasons, "tokens after the finish"
             tokens[output.request_id] += output.new_token_ids
             logprobs[output.request_id] += output.logprobs
             assert len(output.logprobs) == len(output.new_token_ids)
+            cached[output.request_id] = output.num_cached_tokens
             if output.finish_reason is not None:
                 reasons[output.request_id] = output.finish_reason
     assert_no_leaks(core)
@@ -336,6 +421,65 @@ def test_rejected_drafts_leave_no_blocks_behind(tiny_model_dir):
     assert tokens == plain["r"]
     assert core.speculator.totals.num_draft_tokens > 20
     assert core.speculator.totals.num_accepted_tokens == 0
+
+
+def test_the_prefix_cache_hashes_accepted_tokens_only_and_serves_them_to_a_later_request(
+        tiny_model_dir):
+    """Blocks of 4 tokens, every other draft call spoiled: rejected drafts land inside
+    blocks that later fill and join the prefix cache. The cache then holds exactly the
+    chain of the request's accepted tokens' full, computed blocks; and a request quoting
+    the first one's prompt and output is served those blocks (generated positions too)
+    and continues as an engine that computes them afresh does, logprobs included."""
+    block_size = 4
+    prompt = prompt_of(12, 11)
+    first = greedy_request(prompt, 40, "first")  # its last token ends a block: never run
+    uncached = make_core(tiny_model_dir, block_size=block_size, enable_prefix_caching=False)
+    plain = run_to_completion(uncached, [first])
+    core = spec_core(tiny_model_dir, plain, block_size=block_size)
+    core.speculator.source.spoil_every = 2
+    rejected_at: list[int] = []  # positions of tokens that replaced a rejected draft
+    record = core.speculator.record
+
+    def recording(request, drafts, tokens):
+        if drafts and len(tokens) <= len(drafts):
+            rejected_at.append(request.num_tokens - 1)
+        record(request, drafts, tokens)
+
+    core.speculator.record = recording
+    assert run_to_completion(core, [first]) == plain
+    accepted = [*prompt, *plain["first"]]
+    num_computed_blocks = (len(accepted) - 1) // block_size  # the last token was never run
+    rejected_in_cached_blocks = {p % block_size for p in rejected_at
+                                 if p < num_computed_blocks * block_size}
+    assert rejected_in_cached_blocks == set(range(block_size)), rejected_at
+
+    chain, parent = [], ROOT_HASH
+    for index in range(num_computed_blocks):
+        parent = hash_block(parent, tuple(accepted[index * block_size:(index + 1) * block_size]))
+        chain.append(parent)
+    manager = core.block_manager
+    assert set(manager.cached[0]) == set(chain)
+    for index, block_hash in enumerate(chain):
+        block = manager.blocks[manager.cached[0][block_hash]]
+        assert block.token_ids == tuple(accepted[index * block_size:(index + 1) * block_size])
+
+    quoting = AddRequest("second", accepted, SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2), 0.0)
+    fresh_cached: dict[str, int] = {}
+    fresh, fresh_logprobs = collect_with_logprobs(uncached, [quoting], {}, fresh_cached)
+    assert fresh_cached["second"] == 0
+    core.speculator.source.continuations["second"] = fresh["second"]
+    hit_cached: dict[str, int] = {}
+    accepted_before = core.speculator.totals.num_accepted_tokens
+    hit, hit_logprobs = collect_with_logprobs(core, [quoting], {}, hit_cached)
+    assert hit_cached["second"] == num_computed_blocks * block_size > len(prompt)
+    assert core.speculator.totals.num_accepted_tokens > accepted_before
+    assert hit == fresh
+    for got, want in zip(hit_logprobs["second"], fresh_logprobs["second"], strict=True):
+        assert got[0] == pytest.approx(want[0], abs=1e-4)
+        assert [pair[0] for pair in got[1]] == [pair[0] for pair in want[1]]
+        assert [pair[1] for pair in got[1]] == pytest.approx([pair[1] for pair in want[1]],
+                                                             abs=1e-4)
 
 
 def test_grammars_check_drafts_and_constrained_output_is_unchanged(tmp_path_factory):
@@ -421,6 +565,42 @@ def test_a_draft_model_of_another_architecture_keeps_output_and_shares_the_block
     # two, its 2 KV heads of 16 against the target's 2 of 16).
     assert core.block_manager.num_blocks < plain_core.block_manager.num_blocks
     assert_equals_transformers_generate(plain, batch, reference_model)
+
+
+def kv_bytes_from_config(model_dir: str, block_size: int, dtype_bytes: int) -> int:
+    """One block's K and V in every layer, from the checkpoint's config.json."""
+    with open(f"{model_dir}/config.json") as file:
+        config = json.load(file)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return (config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+            * block_size * 2 * dtype_bytes)
+
+
+def test_a_draft_models_blocks_are_the_kv_memory_over_both_models_bytes_per_block(
+        tiny_model_dir, tmp_path_factory):
+    """Every factor of the draft's block differs from the target's (3 layers against 2, one
+    KV head against 2, head_dim 32 against 16), so a draft counted with any of the target's
+    figures, or not at all, gives another number of blocks; and the tensors both runners
+    hold are as large as counted."""
+    draft = build_tiny_llama_dir(tmp_path_factory.mktemp("accounted"), "qwen3", seed=3,
+                                 num_hidden_layers=3, num_key_value_heads=1, head_dim=32)
+    block_size, memory = 8, 1_000_000
+    target_bytes = kv_bytes_from_config(tiny_model_dir, block_size, 4)  # fp32
+    draft_bytes = kv_bytes_from_config(draft, block_size, 4)
+    assert (target_bytes, draft_bytes) == (2 * 2 * 16 * 8 * 2 * 4, 3 * 1 * 32 * 8 * 2 * 4)
+    core = make_core(tiny_model_dir, speculative_config=draft_config(draft),
+                     block_size=block_size, kv_cache_memory=memory)
+    num_blocks = memory // (target_bytes + draft_bytes)
+    assert core.block_manager.num_blocks == num_blocks == 97
+    assert make_core(tiny_model_dir, block_size=block_size, kv_cache_memory=memory
+                     ).block_manager.num_blocks == memory // target_bytes
+    for runner, bytes_per_block, num_layers in ((core.runner, target_bytes, 2),
+                                                (core.draft_model.runner, draft_bytes, 3)):
+        caches = [cache for layer in runner.kv_caches for cache in layer]
+        assert len(caches) == 2 * num_layers
+        assert all(cache.shape[0] == num_blocks + 1 for cache in caches)  # and the null block
+        assert sum(cache[0].numel() * cache.element_size() for cache in caches) == \
+            bytes_per_block
 
 
 def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_model_dir, tmp_path_factory):
