@@ -34,6 +34,9 @@ FIRST_PAUSE, LONGEST_PAUSE = 4, 256  # steps without drafts before one is tried 
 # Drafts must promise the decoding requests at least this mean gain in log speed (1%): the
 # estimates behind a smaller one are noisier than the gain.
 MIN_GAIN_PER_REQUEST = 0.01
+# A draft counted on for less than this gain in its request's log speed cannot pay for its
+# row (every row costs at least the cost line's slope): it is not weighed at all.
+NEGLIGIBLE_GAIN = 1e-3
 
 
 class DraftSource(Protocol):
@@ -168,10 +171,15 @@ class Speculator:
             return {}, set()
         candidates = []
         for request_id, (_, room) in rooms.items():
-            acceptance = self.acceptance.setdefault(request_id, Acceptance())
+            acceptance = self.acceptance.get(request_id)
+            if acceptance is None:
+                acceptance = self.acceptance[request_id] = Acceptance()
             expected = 1.0
             for value in acceptance.yields(room):
-                candidates.append((math.log1p(value / expected), request_id))
+                gain = math.log1p(value / expected)
+                if gain < NEGLIGIBLE_GAIN:
+                    break
+                candidates.append((gain, request_id))
                 expected += value
         candidates.sort(key=lambda candidate: -candidate[0])
         times = self.cost.seconds_from(num_decoding, len(candidates))
