@@ -295,6 +295,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if self.speculator is not None:
             self.speculator.fill(scheduled.chunks)
+        recordings = self.runner.num_recordings
         requests: list[Request] = []
         drafts: list[list[int]] = []
         tokens: list[list[int]] = []
@@ -328,7 +329,10 @@ class EngineCore:
         num_generated = sum(map(len, tokens))
         self._record(scheduled.trace, num_prompt_tokens, num_generated)
         step_time = time.perf_counter() - started
-        if self.speculator is not None and num_prompt_tokens == 0 and not scheduled.is_empty:
+        # A step that recorded a tape (a drafted shape's first) says nothing of its rows' cost:
+        # seen once at 50x a replay, that row count would never be drafted again.
+        if self.speculator is not None and num_prompt_tokens == 0 and not scheduled.is_empty \
+                and self.runner.num_recordings == recordings:
             self.speculator.observe_step(scheduled.num_scheduled_tokens, step_time)
         stats = self._stats(num_prompt_tokens, num_generated, step_time)
         return StepOutputs(step=scheduled.trace.step, outputs=outputs, stats=stats)

@@ -607,3 +607,35 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_model_dir, tmp_p
     draft = build_tiny_llama_dir(tmp_path_factory.mktemp("wide"), vocab_size=512)
     with pytest.raises(ValueError, match="vocabulary"):
         make_core(tiny_model_dir, speculative_config=draft_config(draft))
+
+
+def test_a_step_that_records_a_tape_is_left_out_of_the_step_cost_table(tiny_model_dir):
+    """A drafted shape's first step records its tape, many times what the shape takes from
+    then on: timed, it priced its row count out of drafting for good (one stream drafted one
+    token a step, whatever its acceptance)."""
+    prompt = prompt_of(12)
+    plain = run_to_completion(make_core(tiny_model_dir), [greedy_request(prompt, 24, "r")])
+    core = make_core(tiny_model_dir, speculative_config=NGRAM)
+    assert core.runner.tapes is not None, "decode steps run from tapes by default"
+    core.speculator.source = OracleDrafts(plain, spoil_every=4)
+    observed, recorded, rows = [], [], []
+    observe = core.speculator.observe_step
+    core.speculator.observe_step = lambda num_rows, seconds: (observed.append(num_rows),
+                                                               observe(num_rows, seconds))
+    schedule = core.scheduler.schedule
+
+    def scheduled():
+        step = schedule()
+        rows.append(step.num_scheduled_tokens if all(c.is_decode for c in step.chunks) else 0)
+        return step
+    core.scheduler.schedule = scheduled
+    core.add_request(greedy_request(prompt, 24, "r"))
+    while core.has_work:
+        before = core.runner.num_recordings
+        core.step()
+        recorded.append(core.runner.num_recordings > before)
+    drafted = [count for count, new in zip(rows, recorded, strict=True) if count > 1]
+    assert len(set(drafted)) >= 2, "drafts of several lengths were verified"
+    assert any(recorded), "a drafted shape recorded its tape"
+    assert observed == [count for count, new in zip(rows, recorded, strict=True)
+                        if count and not new]

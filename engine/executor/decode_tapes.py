@@ -170,6 +170,7 @@ class DecodeTapes:
         self.num_cache_blocks = kv_caches[0][0].shape[0]
         self.taped: dict[StepShape, Taped] = {}
         self.refused: set[tuple[int, int]] = set()  # (rows, requests) whose recording was refused
+        self.num_recorded = 0  # recordings tried: each took its step many times a replay's time
 
     def record_decodes(self) -> None:
         """Records the tapes of plain decode steps (1 to max_batch rows, one a request) now,
@@ -199,6 +200,7 @@ class DecodeTapes:
                                              self.kv_caches[0][0].shape[1], self.num_groups)
         inputs.stage(token_ids, positions, query_lens, slot_mappings, tables)
         taped = self._record(inputs)
+        self.num_recorded += 1
         if taped is None:
             self.refused.add((shape.rows, shape.requests))
             return None

@@ -300,6 +300,12 @@ class ModelRunner:
                 pool_rows(span, hidden, self.model.model.norm)
             return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
 
+    @property
+    def num_recordings(self) -> int:
+        """Tapes recorded (or refused) so far: a step that recorded one took many times what
+        its shape takes from then on."""
+        return 0 if self.tapes is None else self.tapes.num_recorded
+
     def _replayed(self, inputs: StepInputs,
                   give_way: Callable[[], bool] | None) -> torch.Tensor | None:
         """The step's hidden states from a tape, or None where none serves it."""
