@@ -120,6 +120,8 @@ class EngineCore:
                                    config.max_num_seqs)
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, self.max_model_len, self.draft_model)
+        if config.speculative is not None:
+            self.runner.prepare_drafted_steps(config.speculative.max_drafts)
         self.pooler = Pooler()
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.grammar_waitlist = GrammarWaitlist(self.grammars, config.grammar_compile_timeout)

@@ -612,9 +612,11 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_model_dir, tmp_p
 def test_a_step_that_records_a_tape_is_left_out_of_the_step_cost_table(tiny_model_dir):
     """A drafted shape's first step records its tape, many times what the shape takes from
     then on: timed, it priced its row count out of drafting for good (one stream drafted one
-    token a step, whatever its acceptance)."""
-    prompt = prompt_of(12)
-    plain = run_to_completion(make_core(tiny_model_dir), [greedy_request(prompt, 24, "r")])
+    token a step, whatever its acceptance). Two requests: their drafted shapes are recorded
+    on first use."""
+    prompts = {"a": prompt_of(12), "b": prompt_of(14, salt=1)}
+    requests = [greedy_request(prompt, 24, name) for name, prompt in prompts.items()]
+    plain = run_to_completion(make_core(tiny_model_dir), requests)
     core = make_core(tiny_model_dir, speculative_config=NGRAM)
     assert core.runner.tapes is not None, "decode steps run from tapes by default"
     core.speculator.source = OracleDrafts(plain, spoil_every=4)
@@ -629,13 +631,34 @@ def test_a_step_that_records_a_tape_is_left_out_of_the_step_cost_table(tiny_mode
         rows.append(step.num_scheduled_tokens if all(c.is_decode for c in step.chunks) else 0)
         return step
     core.scheduler.schedule = scheduled
-    core.add_request(greedy_request(prompt, 24, "r"))
+    for request in requests:
+        core.add_request(request)
     while core.has_work:
         before = core.runner.num_recordings
         core.step()
         recorded.append(core.runner.num_recordings > before)
-    drafted = [count for count, new in zip(rows, recorded, strict=True) if count > 1]
+    drafted = [count for count in rows if count > 2]
     assert len(set(drafted)) >= 2, "drafts of several lengths were verified"
     assert any(recorded), "a drafted shape recorded its tape"
     assert observed == [count for count, new in zip(rows, recorded, strict=True)
                         if count and not new]
+
+
+def test_one_requests_drafted_steps_are_recorded_when_the_engine_starts(tiny_model_dir):
+    prompt = prompt_of(12)
+    plain = run_to_completion(make_core(tiny_model_dir), [greedy_request(prompt, 24, "r")])
+    core = make_core(tiny_model_dir, speculative_config=NGRAM)
+    core.speculator.source = OracleDrafts(plain)
+    core.speculator.cost = FixedCost()
+    recordings = core.runner.num_recordings
+    lengths = set()
+    schedule = core.scheduler.schedule
+
+    def scheduled():
+        step = schedule()
+        lengths.update(len(chunk.draft_token_ids) for chunk in step.chunks)
+        return step
+    core.scheduler.schedule = scheduled
+    assert run_to_completion(core, [greedy_request(prompt, 24, "r")]) == plain
+    assert len(lengths - {0}) >= 2, "drafts of several lengths were verified"
+    assert core.runner.num_recordings == recordings

@@ -175,10 +175,20 @@ class DecodeTapes:
     def record_decodes(self) -> None:
         """Records the tapes of plain decode steps (1 to max_batch rows, one a request) now,
         over block 0 at position 0 (free before any request), so no request's step pays for
-        a recording later. Drafted steps' shapes are still recorded on first use."""
+        a recording later. Drafted steps' shapes are recorded on first use, but for one
+        request's (`record_drafted`)."""
         for rows in range(1, self.max_batch + 1):
             self.run([0] * rows, [0] * rows, [1] * rows, [[0] * rows] * self.num_groups,
                      [[[0]] * rows] * self.num_groups)
+
+    def record_drafted(self, max_drafts: int) -> None:
+        """Records the tapes of one request's drafted steps (its token and 1 to max_drafts
+        drafts) now, over block 0: one stream meets each of them within its first requests,
+        and a step that records costs ~30 replays."""
+        for rows in range(2, min(max_drafts + 1, self.max_batch) + 1):
+            blocks = [0] * blocks_for(rows, self.block_size)
+            self.run([0] * rows, list(range(rows)), [rows], [[0] * rows] * self.num_groups,
+                     [[blocks]] * self.num_groups)
 
     def serves(self, num_rows: int, num_requests: int, table_width: int) -> bool:
         return (0 < num_rows <= self.max_batch and (num_rows, num_requests) not in self.refused

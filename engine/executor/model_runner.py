@@ -300,6 +300,11 @@ class ModelRunner:
                 pool_rows(span, hidden, self.model.model.norm)
             return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
 
+    def prepare_drafted_steps(self, max_drafts: int) -> None:
+        """Records one request's drafted decode steps now, where steps replay tapes."""
+        if self.tapes is not None:
+            self.tapes.record_drafted(max_drafts)
+
     @property
     def num_recordings(self) -> int:
         """Tapes recorded (or refused) so far: a step that recorded one took many times what
