@@ -2,8 +2,9 @@
 
 Per request, acceptance is modelled as geometric: each draft position is accepted with
 probability q (estimated from its recent verifications, older ones weighing less, and
-counted one standard error low), so its j-th draft yields q^j tokens on average. A draft
-slows the whole step but speeds one request: each step the drafts taken, best first, are
+counted one standard error low where other requests decode beside it: a draft then slows
+them too), so its j-th draft yields q^j tokens on average. A draft slows the whole step but
+speeds one request: each step the drafts taken, best first, are
 those that maximize the sum over the decoding requests of log(expected tokens / step time)
 (proportional fairness), step time by row count from engine.speculative.cost, and only if
 that promises at least a 1% mean gain. So k shrinks as q falls, as the batch grows, and
@@ -80,10 +81,10 @@ class Acceptance:
         self.accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
         self.decided = self.decided * ACCEPTANCE_DECAY + num_accepted + rejected
 
-    def yields(self, num_drafts: int) -> list[float]:
+    def yields(self, num_drafts: int, cautious: bool = True) -> list[float]:
         """Accepted tokens each of the first `num_drafts` draft positions is counted on to
-        yield (at the cautious rate)."""
-        rate = self.cautious_rate
+        yield (at the cautious rate, or the rate as it stands)."""
+        rate = self.cautious_rate if cautious else self.rate
         return [rate ** position for position in range(1, num_drafts + 1)]
 
     def probe_due(self, step: int) -> bool:
@@ -175,7 +176,7 @@ class Speculator:
             if acceptance is None:
                 acceptance = self.acceptance[request_id] = Acceptance()
             expected = 1.0
-            for value in acceptance.yields(room):
+            for value in acceptance.yields(room, cautious=num_decoding > 1):
                 gain = math.log1p(value / expected)
                 if gain < NEGLIGIBLE_GAIN:
                     break
