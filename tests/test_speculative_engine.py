@@ -92,6 +92,23 @@ class FixedCost:
         return [self.seconds(rows) for rows in range(first_rows, first_rows + count + 1)]
 
 
+class PointMassDrafts(OracleDrafts):
+    """At the second output token, the likeliest one after the sampled first under the
+    model's top 3 (an n-gram draft is such a point mass); nothing elsewhere."""
+
+    def __init__(self, reference_model, prompt: list[int]) -> None:
+        super().__init__({})
+        self.likeliest_after = {}
+        for first in {pair[0] for pair in joint_distribution(reference_model, prompt, top_k=3)}:
+            pairs = joint_distribution(reference_model, [*prompt, first], top_k=3)
+            self.likeliest_after[first] = max(pairs, key=pairs.get)[0]
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        if request.num_output_tokens != 1:
+            return []
+        return [self.likeliest_after[request.output_token_ids[0]]][:max_drafts]
+
+
 def spec_core(model_dir: str, continuations: dict[str, list[int]], **overrides):
     core = make_core(model_dir, speculative_config=NGRAM, **overrides)
     core.speculator.source = OracleDrafts(continuations)
@@ -169,26 +186,15 @@ def test_sampled_output_keeps_the_models_distribution(tiny_model_dir, reference_
     the engine without drafts (the test can tell). Seeds fix every draw: the statistic is
     the same on every run."""
     prompt = prompt_of(10, 7)
-    firsts = joint_distribution(reference_model, prompt, top_k=3)
-    likeliest_after = {}
-    for first in {pair[0] for pair in firsts}:
-        pairs = joint_distribution(reference_model, [*prompt, first], top_k=3)
-        likeliest_after[first] = max(pairs, key=pairs.get)[0]
     requests = [AddRequest(f"s{seed}", prompt, SamplingParams(
         max_tokens=3, temperature=1.0, top_k=3, seed=seed, ignore_eos=True), 0.0)
         for seed in range(2000)]
-
-    class PointMass(OracleDrafts):
-        def propose(self, request: Request, max_drafts: int) -> list[int]:
-            if request.num_output_tokens != 1:
-                return []
-            return [likeliest_after[request.output_token_ids[0]]][:max_drafts]
 
     for drafting in (True, False):
         core = make_core(tiny_model_dir, max_num_seqs=256, max_num_batched_tokens=2048,
                          speculative_config=NGRAM if drafting else None)
         if drafting:
-            core.speculator.source = PointMass({})
+            core.speculator.source = PointMassDrafts(reference_model, prompt)
             core.speculator.cost = FixedCost()
         outputs = run_to_completion(core, list(requests))
         if drafting:
@@ -205,26 +211,15 @@ def test_unseeded_sampled_output_keeps_the_models_distribution_and_a_wrong_rule_
     draft accepted anyway, so the likeliest 2nd token is drawn about (1 - p) / 4 too often)
     fails the same test: the statistic can tell a wrong rule at this sample size."""
     prompt = prompt_of(10, 7)
-    firsts = joint_distribution(reference_model, prompt, top_k=3)
-    likeliest_after = {}
-    for first in {pair[0] for pair in firsts}:
-        pairs = joint_distribution(reference_model, [*prompt, first], top_k=3)
-        likeliest_after[first] = max(pairs, key=pairs.get)[0]
 
     def unseeded(name: str) -> list[AddRequest]:
         return [AddRequest(f"{name}{index}", prompt, SamplingParams(
             max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True), 0.0)
             for index in range(2000)]
 
-    class PointMass(OracleDrafts):
-        def propose(self, request: Request, max_drafts: int) -> list[int]:
-            if request.num_output_tokens != 1:
-                return []
-            return [likeliest_after[request.output_token_ids[0]]][:max_drafts]
-
     core = make_core(tiny_model_dir, max_num_seqs=256, max_num_batched_tokens=2048,
                      speculative_config=NGRAM)
-    core.speculator.source = PointMass({})
+    core.speculator.source = PointMassDrafts(reference_model, prompt)
     core.speculator.cost = FixedCost()
     outputs = run_to_completion(core, unseeded("u"))
     totals = core.speculator.totals
