@@ -332,7 +332,7 @@ class EngineCore:
         self._record(scheduled.trace, num_prompt_tokens, num_generated)
         step_time = time.perf_counter() - started
         # A step that recorded a tape (a drafted shape's first) says nothing of its rows' cost:
-        # seen once at 50x a replay, that row count would never be drafted again.
+        # seen once at ~30x a replay, that row count would never be drafted again.
         if self.speculator is not None and num_prompt_tokens == 0 and not scheduled.is_empty \
                 and self.runner.num_recordings == recordings:
             self.speculator.observe_step(scheduled.num_scheduled_tokens, step_time)

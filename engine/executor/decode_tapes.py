@@ -8,7 +8,8 @@ read together as one run (engine.attention.metadata.plan_rows): such a step's sh
 rows and its requests. The first step of each shape (and thread count: the kernels take it
 as an argument) runs the forward over them twice, once to warm what it builds lazily and
 once recording; every later one stages its inputs and replays the tape. The plain decode
-shapes are recorded when the engine starts (`record_decodes`). A shape whose
+shapes are recorded when the engine starts (`record_decodes`), and with speculative decoding
+one request's drafted ones (`record_drafted`). A shape whose
 recording is refused stays eager, logged once. Only the C++ attention backend's decode path
 reads nothing but tensors, so only it is taped.
 """
@@ -175,8 +176,8 @@ class DecodeTapes:
     def record_decodes(self) -> None:
         """Records the tapes of plain decode steps (1 to max_batch rows, one a request) now,
         over block 0 at position 0 (free before any request), so no request's step pays for
-        a recording later. Drafted steps' shapes are recorded on first use, but for one
-        request's (`record_drafted`)."""
+        a recording later. Drafted steps' shapes are recorded on first use (one request's
+        at the start too: `record_drafted`)."""
         for rows in range(1, self.max_batch + 1):
             self.run([0] * rows, [0] * rows, [1] * rows, [[0] * rows] * self.num_groups,
                      [[[0]] * rows] * self.num_groups)
