@@ -1,8 +1,8 @@
-"""End to end: `launch.py --speculative-config` (n-gram drafts) on the default model (fp32),
-real HTTP on 127.0.0.1. A reply that quotes its prompt is drafted and accepted, and the
-user sees what an engine without drafts would send: transformers' greedy text, stop
-strings cut where they match, logprobs per token, seeded choices that repeat, JSON that
-matches its schema; /metrics counts the drafts."""
+"""End to end: `launch.py --speculative-config` (n-gram drafts; suffix drafts on a server of
+their own) on the default model (fp32), real HTTP on 127.0.0.1. A reply that quotes its
+prompt is drafted and accepted, and the user sees what an engine without drafts would send:
+transformers' greedy text, stop strings cut where they match, logprobs per token, seeded
+choices that repeat, JSON that matches its schema; /metrics counts the drafts."""
 
 from __future__ import annotations
 
@@ -127,3 +127,27 @@ def test_structured_output_matches_its_schema_with_drafts(client):
                          "json_schema": {"name": "answer", "schema": schema}})
     answer = json.loads(response.choices[0].message.content)
     assert set(answer) == {"keeper", "stairs"} and answer["stairs"] in ("spiral", "straight")
+
+
+@pytest.fixture(scope="module")
+def suffix_server(tmp_path_factory):
+    launched = LaunchedServer(["--dtype", "float32", "--speculative-config", json.dumps(
+        {"method": "suffix", "num_speculative_tokens": 8})]).start(
+        tmp_path_factory.mktemp("suffix-logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+
+
+def test_suffix_drafts_stream_transformers_greedy_text_and_are_mostly_accepted(suffix_server):
+    """A fresh server's one stream: the quote's tokens followed their contexts in the prompt,
+    so drafts of several tokens are verified and mostly accepted."""
+    client = openai.OpenAI(base_url=suffix_server.base_url + "/v1", api_key="unused",
+                           max_retries=0)
+    stream = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0,
+                                            max_tokens=MAX_TOKENS, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reference_text(QUOTE, MAX_TOKENS)
+    counters = spec_counters(suffix_server)
+    assert counters["spec_decode_num_accepted_tokens"] >= 0.3 * MAX_TOKENS
+    assert counters["spec_decode_num_draft_tokens"] > counters["spec_decode_num_drafts"], \
+        "some verifications carried several drafts"
