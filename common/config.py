@@ -112,6 +112,12 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative_config)
 
     @property
+    def max_drafts(self) -> int:
+        """The most drafts a request verifies in a step (0 without speculative decoding)."""
+        speculative = self.speculative
+        return 0 if speculative is None else speculative.max_drafts
+
+    @property
     def compiled(self) -> bool:
         return self.compile and not self.enforce_eager
 

@@ -120,8 +120,6 @@ class EngineCore:
                                    config.max_num_seqs)
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, self.max_model_len, self.draft_model)
-        if config.speculative is not None:
-            self.runner.prepare_drafted_steps(config.speculative.max_drafts)
         self.pooler = Pooler()
         self.grammars = GrammarCompiler(config.model, model_config.vocab_size, self.eos_token_ids)
         self.grammar_waitlist = GrammarWaitlist(self.grammars, config.grammar_compile_timeout)
@@ -174,7 +172,8 @@ class EngineCore:
                            tensor_parallel=self.workers is not None, layout=self.kv_layout,
                            batch_invariant=self.config.batch_invariant,
                            cache_dtype=self.cache_dtype,
-                           decode_tapes=not self.config.enforce_eager)
+                           decode_tapes=not self.config.enforce_eager,
+                           max_drafts=self.config.max_drafts)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -331,8 +330,7 @@ class EngineCore:
         num_generated = sum(map(len, tokens))
         self._record(scheduled.trace, num_prompt_tokens, num_generated)
         step_time = time.perf_counter() - started
-        # A step that recorded a tape (a drafted shape's first) says nothing of its rows' cost:
-        # seen once at ~30x a replay, that row count would never be drafted again.
+        # A step that recorded a tape (~30x a replay) says nothing of what its rows cost.
         if self.speculator is not None and num_prompt_tokens == 0 and not scheduled.is_empty \
                 and self.runner.num_recordings == recordings:
             self.speculator.observe_step(scheduled.num_scheduled_tokens, step_time)
@@ -342,8 +340,7 @@ class EngineCore:
     def _after_verification(self, requests: list[Request], drafts: list[list[int]],
                             tokens: list[list[int]], finished: list[Request]) -> None:
         if self.speculator is not None:
-            for request, drafted, new_tokens in zip(requests, drafts, tokens, strict=True):
-                self.speculator.record(request, drafted, new_tokens)
+            self.speculator.record_step(requests, drafts, tokens)
         for request in finished:
             self._forget(request)
 

@@ -151,13 +151,15 @@ class ModelRunner:
                  recorder: Recorder | None = None, max_model_len: int = 0,
                  max_num_seqs: int = 0, tensor_parallel: bool = False,
                  layout: KVCacheLayout | None = None, batch_invariant: bool = False,
-                 cache_dtype: torch.dtype | None = None, decode_tapes: bool = False) -> None:
+                 cache_dtype: torch.dtype | None = None, decode_tapes: bool = False,
+                 max_drafts: int = 0) -> None:
         """`tensor_parallel`: this is rank 0 of several, and sends each step's inputs to the
         others before running it (engine.distributed.tensor_parallel). `layout`: the layers'
         KV cache groups (default: one). `batch_invariant`: see KernelChoice. `cache_dtype`:
         the KV cache's (default: `dtype`; 8-bit: engine.attention.quantized_kv).
         `decode_tapes`: small decode steps replay kernel tapes where they can
-        (engine.executor.decode_tapes: the CPU's C++ attention, eager, one rank)."""
+        (engine.executor.decode_tapes: the CPU's C++ attention, eager, one rank), one
+        request's steps with up to `max_drafts` drafts (speculative decoding) among them."""
         self.model = model
         self.layout = layout or KVCacheLayout.single(model.num_layers)
         assign_kv_groups(model, self.layout)
@@ -206,6 +208,7 @@ class ModelRunner:
             self.tapes = DecodeTapes(model, self.forward, self.kv_caches, self.attention,
                                      block_size, max_model_len, self.layout.num_groups)
             self.tapes.record_decodes()
+            self.tapes.record_drafted(max_drafts)
 
     @property
     def kv_meaning(self) -> str:
@@ -299,11 +302,6 @@ class ModelRunner:
             for span in inputs.pooling:
                 pool_rows(span, hidden, self.model.model.norm)
             return self._logits(inputs, hidden[:len(inputs.token_ids)], float32_logits)
-
-    def prepare_drafted_steps(self, max_drafts: int) -> None:
-        """Records one request's drafted decode steps now, where steps replay tapes."""
-        if self.tapes is not None:
-            self.tapes.record_drafted(max_drafts)
 
     @property
     def num_recordings(self) -> int:

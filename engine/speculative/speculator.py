@@ -224,6 +224,12 @@ class Speculator:
         allowed = min(m.validate_tokens(drafts) for m in request.constraint.matchers)
         return drafts[:allowed]
 
+    def record_step(self, requests: list[Request], drafts: list[list[int]],
+                    tokens: list[list[int]]) -> None:
+        """A step's verifications, request by request (`record`)."""
+        for request, drafted, new_tokens in zip(requests, drafts, tokens, strict=True):
+            self.record(request, drafted, new_tokens)
+
     def record(self, request: Request, drafts: list[int], tokens: list[int]) -> None:
         """A verification: `tokens` are the accepted drafts and the row's own new token (cut
         where the request stopped)."""
