@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -107,6 +108,18 @@ class PointMassDrafts(OracleDrafts):
         if request.num_output_tokens != 1:
             return []
         return [self.likeliest_after[request.output_token_ids[0]]][:max_drafts]
+
+
+def after_each_call(target: object, name: str, hook: Callable[..., None]) -> None:
+    """Wraps `target.name`: after each call, `hook(result, *args)` sees what it returned and
+    was given."""
+    original = getattr(target, name)
+
+    def wrapped(*args):
+        result = original(*args)
+        hook(result, *args)
+        return result
+    setattr(target, name, wrapped)
 
 
 def spec_core(model_dir: str, continuations: dict[str, list[int]], **overrides):
@@ -311,13 +324,10 @@ def test_n_seeded_samples_of_one_prompt_with_drafts_equal_them_without(tiny_mode
     assert len({tuple(tokens) for tokens in plain.values()}) == 3
     core = spec_core(tiny_model_dir, plain)
     accepted: dict[str, int] = dict.fromkeys(plain, 0)
-    record = core.speculator.record
 
-    def recording(request, drafts, tokens):
+    def count_accepted(_, request, drafts, tokens):
         accepted[request.request_id] += min(len(tokens) - 1, len(drafts))
-        record(request, drafts, tokens)
-
-    core.speculator.record = recording
+    after_each_call(core.speculator, "record", count_accepted)
     assert run_to_completion(core, requests) == plain
     assert all(count >= 5 for count in accepted.values()), accepted
     assert core.speculator.totals.num_accepted_tokens == sum(accepted.values())
@@ -433,14 +443,11 @@ def test_the_prefix_cache_hashes_accepted_tokens_only_and_serves_them_to_a_later
     core = spec_core(tiny_model_dir, plain, block_size=block_size)
     core.speculator.source.spoil_every = 2
     rejected_at: list[int] = []  # positions of tokens that replaced a rejected draft
-    record = core.speculator.record
 
-    def recording(request, drafts, tokens):
+    def note_rejection(_, request, drafts, tokens):
         if drafts and len(tokens) <= len(drafts):
             rejected_at.append(request.num_tokens - 1)
-        record(request, drafts, tokens)
-
-    core.speculator.record = recording
+    after_each_call(core.speculator, "record", note_rejection)
     assert run_to_completion(core, [first]) == plain
     accepted = [*prompt, *plain["first"]]
     num_computed_blocks = (len(accepted) - 1) // block_size  # the last token was never run
@@ -616,16 +623,10 @@ def test_a_step_that_records_a_tape_is_left_out_of_the_step_cost_table(tiny_mode
     assert core.runner.tapes is not None, "decode steps run from tapes by default"
     core.speculator.source = OracleDrafts(plain, spoil_every=4)
     observed, recorded, rows = [], [], []
-    observe = core.speculator.observe_step
-    core.speculator.observe_step = lambda num_rows, seconds: (observed.append(num_rows),
-                                                               observe(num_rows, seconds))
-    schedule = core.scheduler.schedule
-
-    def scheduled():
-        step = schedule()
-        rows.append(step.num_scheduled_tokens if all(c.is_decode for c in step.chunks) else 0)
-        return step
-    core.scheduler.schedule = scheduled
+    after_each_call(core.speculator, "observe_step",
+                    lambda _, num_rows, seconds: observed.append(num_rows))
+    after_each_call(core.scheduler, "schedule", lambda step: rows.append(
+        step.num_scheduled_tokens if all(c.is_decode for c in step.chunks) else 0))
     for request in requests:
         core.add_request(request)
     while core.has_work:
@@ -647,13 +648,8 @@ def test_one_requests_drafted_steps_are_recorded_when_the_engine_starts(tiny_mod
     core.speculator.cost = FixedCost()
     recordings = core.runner.num_recordings
     lengths = set()
-    schedule = core.scheduler.schedule
-
-    def scheduled():
-        step = schedule()
-        lengths.update(len(chunk.draft_token_ids) for chunk in step.chunks)
-        return step
-    core.scheduler.schedule = scheduled
+    after_each_call(core.scheduler, "schedule", lambda step: lengths.update(
+        len(chunk.draft_token_ids) for chunk in step.chunks))
     assert run_to_completion(core, [greedy_request(prompt, 24, "r")]) == plain
     assert len(lengths - {0}) >= 2, "drafts of several lengths were verified"
     assert core.runner.num_recordings == recordings
