@@ -410,6 +410,22 @@ def serve_tensor_parallel_ranks(args: argparse.Namespace, model_dir: str) -> int
     return 0 if stopping or not any(codes) else 1
 
 
+def resolve_draft_model(speculative_json: str | None) -> None:
+    """A draft model that cannot be served fails here, as the served model does, not in the
+    engine after the target's weights loaded."""
+    from common.default_model import resolve_model
+    from common.speculative import SpeculativeConfig
+
+    if speculative_json is None:
+        return
+    speculative = SpeculativeConfig.parse(speculative_json)
+    if speculative.method == "draft_model":
+        try:
+            resolve_model(speculative.model, progress=say)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config: the draft model: {exc}") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from common.default_model import is_hub_id, resolve_model
@@ -436,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         model_dir = resolve_model(args.model, progress=say)
+        resolve_draft_model(args.speculative_config)
     except ValueError as exc:  # a model that cannot be served: the reason, no traceback
         say(f"error: {exc}")
         return 2

@@ -1,14 +1,18 @@
-"""End to end: `launch.py --speculative-config` (n-gram drafts; suffix drafts on a server of
-their own) on the default model (fp32), real HTTP on 127.0.0.1. A reply that quotes its
-prompt is drafted and accepted, and the user sees what an engine without drafts would send:
-transformers' greedy text, stop strings cut where they match, logprobs per token, seeded
-choices that repeat, JSON that matches its schema; /metrics counts the drafts."""
+"""End to end: `launch.py --speculative-config` (n-gram drafts; suffix drafts and a draft
+model on servers of their own) on the default model (fp32), real HTTP on 127.0.0.1. A reply
+that quotes its prompt is drafted and accepted, and the user sees what an engine without
+drafts would send: transformers' greedy text, stop strings cut where they match, logprobs per
+token, seeded choices that repeat, JSON that matches its schema; /metrics counts the drafts.
+A draft model that cannot be served is refused at launch."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -151,3 +155,47 @@ def test_suffix_drafts_stream_transformers_greedy_text_and_are_mostly_accepted(s
     assert counters["spec_decode_num_accepted_tokens"] >= 0.3 * MAX_TOKENS
     assert counters["spec_decode_num_draft_tokens"] > counters["spec_decode_num_drafts"], \
         "some verifications carried several drafts"
+
+
+@pytest.fixture(scope="module")
+def draft_model_server(tmp_path_factory):
+    """The default model drafting for itself: a draft model in the engine beside the target,
+    its K/V in the same blocks."""
+    draft = {"method": "draft_model", "model": resolve_model(None), "num_speculative_tokens": 4}
+    launched = LaunchedServer(["--dtype", "float32", "--speculative-config", json.dumps(draft)]
+                              ).start(tmp_path_factory.mktemp("draft-model-logs"))
+    yield launched
+    assert launched.stop() == 0, launched.log
+
+
+def test_a_draft_model_streams_transformers_greedy_text_and_its_twins_drafts_all_pass(
+        draft_model_server):
+    """A reply nothing in its prompt predicts: only a model can draft it. With the target's
+    own weights every draft is the target's next token (any stale or missing draft K/V would
+    be rejected), and the text is transformers' greedy text."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    client = openai.OpenAI(base_url=draft_model_server.base_url + "/v1", api_key="unused",
+                           max_retries=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=MAX_TOKENS, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reference_text(messages, MAX_TOKENS)
+    counters = spec_counters(draft_model_server)
+    assert counters["spec_decode_num_draft_tokens"] >= MAX_TOKENS // 2
+    assert counters["spec_decode_num_accepted_tokens"] == counters["spec_decode_num_draft_tokens"]
+    assert counters["spec_decode_num_draft_tokens"] > counters["spec_decode_num_drafts"], \
+        "some verifications carried several drafts"
+
+
+def test_a_draft_model_that_cannot_be_served_is_refused_at_launch(tmp_path) -> None:
+    """The reason, no traceback, before any engine loads the target's weights."""
+    config = {"method": "draft_model", "model": str(tmp_path / "absent"),
+              "num_speculative_tokens": 3}
+    launch = Path(__file__).resolve().parents[1] / "launch.py"
+    result = subprocess.run([sys.executable, str(launch), "--host", "127.0.0.1", "--port", "0",
+                             "--speculative-config", json.dumps(config)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "the draft model" in result.stderr and str(tmp_path / "absent") in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "[engine" not in result.stdout + result.stderr  # no engine was started
