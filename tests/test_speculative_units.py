@@ -150,13 +150,6 @@ def test_a_sources_sure_draft_needs_a_long_match():
     assert suffix.propose(brief, 1) == [1] and suffix.sure_draft(brief) == []
 
 
-def observe_rows_where_only_a_probe_could_pay(speculator: Speculator) -> None:
-    """One row more costs 2/3 of a one-row step and 2/5 of a two-row one: drafts accepted at
-    the prior's rate do not pay, a probe's would if accepted (alone and beside one other)."""
-    for rows in range(1, 12):
-        speculator.observe_step(rows, 0.01 * (1 + 2 * rows))
-
-
 def test_beside_others_a_probe_verifies_only_a_draft_its_source_is_sure_of():
     """A request whose drafts do not pay is probed with one draft now and then: alone, any
     draft its source has; beside other decoding requests (whose steps its row slows too),
@@ -166,7 +159,8 @@ def test_beside_others_a_probe_verifies_only_a_draft_its_source_is_sure_of():
         for others, probed in ((1, beside_others), (0, alone)):
             config = SpeculativeConfig("ngram", prompt_lookup_min=2, prompt_lookup_max=4)
             speculator = Speculator(config, max_model_len=1000)
-            observe_rows_where_only_a_probe_could_pay(speculator)
+            for rows in range(1, 12):
+                speculator.observe_step(rows, 0.02 * rows)  # each row costs a whole step
             request = decoding("r", tokens, 4)
             running = [request, *(decoding(f"o{i}", [90, 91], 1) for i in range(others))]
             speculator.propose(running, step=1)
@@ -342,7 +336,8 @@ def test_beside_a_request_whose_drafts_are_accepted_only_the_rejected_one_stops_
 
 def test_drafts_that_rarely_pay_stop_and_are_tried_again_after_a_growing_pause():
     speculator = speculator_with([5] * 4)
-    observe_rows_where_only_a_probe_could_pay(speculator)
+    for rows in range(1, 12):
+        speculator.observe_step(rows, 0.02 * rows)  # each row costs a whole step
     request = decoding("r", [1, 2, 3, 4], 3)
     drafted_at = []
     for step in range(1, 60):
@@ -461,22 +456,3 @@ def test_alone_a_request_drafts_at_its_rate_beside_others_one_standard_error_low
                                                          paused_until=10)
     beside.propose(pair, step=1)
     assert [r.draft_token_ids for r in pair] == [[], []]
-
-
-def test_a_probe_is_taken_only_where_its_row_would_pay_if_accepted():
-    """The default model's shape of cost (a one-row step ~5 ms, ~1 ms a row more, a 33rd row
-    ~2.7 ms): beside 31 others a probe's row would cost more than its request's one extra
-    token could return, so a request due a probe waits (its pause not spent) until the
-    batch is small enough that the row could pay."""
-    speculator = speculator_with([5] * 4)
-    for _ in range(5):
-        for rows in range(1, 34):
-            speculator.observe_step(rows, 0.004 + 0.001 * rows + (0.0017 if rows == 33 else 0))
-    rooms = {f"r{i}": (decoding(f"r{i}", [1, 2, 3, 4], 3), 4) for i in range(32)}
-    for request_id in rooms:  # their drafts were rejected: none pays, a probe is due
-        speculator.acceptance[request_id] = Acceptance(accepted=0.0, decided=20.0)
-    taken, probes = speculator._worth_taking(32, rooms, step=1)
-    assert not any(taken.values()) and probes == set()
-    few = dict(list(rooms.items())[:2])
-    taken, probes = speculator._worth_taking(2, few, step=2)
-    assert not any(taken.values()) and probes == {"r0", "r1"}

@@ -13,9 +13,7 @@ A request none of whose drafts pay stops drafting, and tries one draft again aft
 pause that doubles each time it still does not pay; beside other decoding requests, only one
 its source is sure of (`sure_draft`, where the source has one): at a busy server most such
 probes were rows that slowed every request and saved no step, while one stream alone
-resumes drafting sooner on any match (after an edit in a quoted text, say). And only where
-the probe's row would pay for itself if its draft were accepted: at 32 streams one row more
-cost 7% of the step, more than one request's extra token could return."""
+resumes drafting sooner on any match (after an edit in a quoted text, say)."""
 
 from __future__ import annotations
 
@@ -40,9 +38,6 @@ MIN_GAIN_PER_REQUEST = 0.01
 # A draft counted on for less than this gain in its request's log speed cannot pay for its
 # row (every row costs at least the cost line's slope): it is not weighed at all.
 NEGLIGIBLE_GAIN = 1e-3
-# A probe's draft, accepted, doubles its request's tokens in that step: its gain in log speed
-# at best, which the probe's row must cost less than.
-PROBE_GAIN = math.log(2.0)
 
 
 class DraftSource(Protocol):
@@ -199,24 +194,14 @@ class Speculator:
         taken: dict[str, int] = dict.fromkeys(rooms, 0)
         for _, request_id in candidates[:best_count]:
             taken[request_id] += 1
-        return taken, self._probes(taken, num_decoding + best_count, num_decoding, step)
-
-    def _probes(self, taken: dict[str, int], num_rows: int, num_decoding: int,
-                step: int) -> set[str]:
-        """The requests drafting nothing this step that are due a probe, as many as would
-        pay for their rows if their drafts were accepted (a probe that cannot pay even then
-        slows every request for nothing; the pause is not spent on it)."""
-        probes: set[str] = set()
-        times = self.cost.seconds_from(num_rows, len(taken))
+        probes = set()
         for request_id, count in taken.items():
             acceptance = self.acceptance[request_id]
             if count:
                 acceptance.pause = FIRST_PAUSE
-                continue
-            row_cost = num_decoding * math.log(times[len(probes) + 1] / times[len(probes)])
-            if row_cost < PROBE_GAIN and acceptance.probe_due(step):
+            elif acceptance.probe_due(step):
                 probes.add(request_id)
-        return probes
+        return taken, probes
 
     def fill(self, chunks: list[ScheduledChunk]) -> None:
         """After scheduling: a draft model runs over the step's chunks and writes the drafts
