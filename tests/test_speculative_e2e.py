@@ -133,24 +133,30 @@ def test_structured_output_matches_its_schema_with_drafts(client):
     assert set(answer) == {"keeper", "stairs"} and answer["stairs"] in ("spiral", "straight")
 
 
-@pytest.fixture(scope="module")
-def suffix_server(tmp_path_factory):
-    launched = LaunchedServer(["--dtype", "float32", "--speculative-config", json.dumps(
-        {"method": "suffix", "num_speculative_tokens": 8})]).start(
-        tmp_path_factory.mktemp("suffix-logs"))
+def server_of_its_own(tmp_path_factory, speculative: dict, name: str):
+    launched = LaunchedServer(["--dtype", "float32", "--speculative-config",
+                               json.dumps(speculative)]).start(tmp_path_factory.mktemp(name))
     yield launched
     assert launched.stop() == 0, launched.log
+
+
+def streamed_greedy_text(server: LaunchedServer, messages: list[dict]) -> str:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=MAX_TOKENS, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+@pytest.fixture(scope="module")
+def suffix_server(tmp_path_factory):
+    yield from server_of_its_own(
+        tmp_path_factory, {"method": "suffix", "num_speculative_tokens": 8}, "suffix-logs")
 
 
 def test_suffix_drafts_stream_transformers_greedy_text_and_are_mostly_accepted(suffix_server):
     """A fresh server's one stream: the quote's tokens followed their contexts in the prompt,
     so drafts of several tokens are verified and mostly accepted."""
-    client = openai.OpenAI(base_url=suffix_server.base_url + "/v1", api_key="unused",
-                           max_retries=0)
-    stream = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0,
-                                            max_tokens=MAX_TOKENS, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == reference_text(QUOTE, MAX_TOKENS)
+    assert streamed_greedy_text(suffix_server, QUOTE) == reference_text(QUOTE, MAX_TOKENS)
     counters = spec_counters(suffix_server)
     assert counters["spec_decode_num_accepted_tokens"] >= 0.3 * MAX_TOKENS
     assert counters["spec_decode_num_draft_tokens"] > counters["spec_decode_num_drafts"], \
@@ -161,11 +167,9 @@ def test_suffix_drafts_stream_transformers_greedy_text_and_are_mostly_accepted(s
 def draft_model_server(tmp_path_factory):
     """The default model drafting for itself: a draft model in the engine beside the target,
     its K/V in the same blocks."""
-    draft = {"method": "draft_model", "model": resolve_model(None), "num_speculative_tokens": 4}
-    launched = LaunchedServer(["--dtype", "float32", "--speculative-config", json.dumps(draft)]
-                              ).start(tmp_path_factory.mktemp("draft-model-logs"))
-    yield launched
-    assert launched.stop() == 0, launched.log
+    yield from server_of_its_own(tmp_path_factory, {
+        "method": "draft_model", "model": resolve_model(None), "num_speculative_tokens": 4},
+        "draft-model-logs")
 
 
 def test_a_draft_model_streams_transformers_greedy_text_and_its_twins_drafts_all_pass(
@@ -174,12 +178,8 @@ def test_a_draft_model_streams_transformers_greedy_text_and_its_twins_drafts_all
     own weights every draft is the target's next token (any stale or missing draft K/V would
     be rejected), and the text is transformers' greedy text."""
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
-    client = openai.OpenAI(base_url=draft_model_server.base_url + "/v1", api_key="unused",
-                           max_retries=0)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                            max_tokens=MAX_TOKENS, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == reference_text(messages, MAX_TOKENS)
+    assert streamed_greedy_text(draft_model_server, messages) == reference_text(
+        messages, MAX_TOKENS)
     counters = spec_counters(draft_model_server)
     assert counters["spec_decode_num_draft_tokens"] >= MAX_TOKENS // 2
     assert counters["spec_decode_num_accepted_tokens"] == counters["spec_decode_num_draft_tokens"]
