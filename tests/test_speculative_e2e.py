@@ -28,17 +28,21 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
            "Ships passing the rocks saw the beam sweep the water twice each minute.")
 QUOTE = [{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}]
 MAX_TOKENS = 60
-SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    launched = LaunchedServer(["--dtype", "float32", "--speculative-config", SPECULATIVE]
-                              ).start(tmp_path_factory.mktemp("logs"))
+def server_of_its_own(tmp_path_factory, speculative: dict, name: str):
+    launched = LaunchedServer(["--dtype", "float32", "--speculative-config",
+                               json.dumps(speculative)]).start(tmp_path_factory.mktemp(name))
     yield launched
     assert launched.stop() == 0, launched.log
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from server_of_its_own(tmp_path_factory, NGRAM, "logs")
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +50,26 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-def reference_text(messages: list[dict], max_tokens: int) -> str:
+@pytest.fixture(scope="module")
+def reference_text():
+    """transformers' greedy text (fp32) of a chat's first MAX_TOKENS tokens: the model loaded
+    once, each chat generated once."""
     directory = resolve_model(None)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
-    with torch.no_grad():
-        output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
-            1, len(prompt)), max_new_tokens=max_tokens, do_sample=False)
-    return tokenizer.decode(output[0, len(prompt):], skip_special_tokens=True)
+    texts: dict[str, str] = {}
+
+    def text(messages: list[dict]) -> str:
+        key = json.dumps(messages)
+        if key not in texts:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+            with torch.no_grad():
+                output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                    1, len(prompt)), max_new_tokens=MAX_TOKENS, do_sample=False)
+            texts[key] = tokenizer.decode(output[0, len(prompt):], skip_special_tokens=True)
+        return texts[key]
+    return text
 
 
 def spec_counters(server: LaunchedServer) -> dict[str, float]:
@@ -69,8 +83,8 @@ def spec_counters(server: LaunchedServer) -> dict[str, float]:
 
 
 def test_a_quoting_reply_streams_transformers_greedy_text_and_counts_its_drafts(
-        server, client):
-    expected = reference_text(QUOTE, MAX_TOKENS)
+        server, client, reference_text):
+    expected = reference_text(QUOTE)
     before = spec_counters(server)  # other tests' requests may have drafted already
     stream = client.chat.completions.create(model=MODEL, messages=QUOTE, temperature=0,
                                             max_tokens=MAX_TOKENS, stream=True,
@@ -133,13 +147,6 @@ def test_structured_output_matches_its_schema_with_drafts(client):
     assert set(answer) == {"keeper", "stairs"} and answer["stairs"] in ("spiral", "straight")
 
 
-def server_of_its_own(tmp_path_factory, speculative: dict, name: str):
-    launched = LaunchedServer(["--dtype", "float32", "--speculative-config",
-                               json.dumps(speculative)]).start(tmp_path_factory.mktemp(name))
-    yield launched
-    assert launched.stop() == 0, launched.log
-
-
 def streamed_greedy_text(server: LaunchedServer, messages: list[dict]) -> str:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
@@ -153,10 +160,11 @@ def suffix_server(tmp_path_factory):
         tmp_path_factory, {"method": "suffix", "num_speculative_tokens": 8}, "suffix-logs")
 
 
-def test_suffix_drafts_stream_transformers_greedy_text_and_are_mostly_accepted(suffix_server):
+def test_suffix_drafts_stream_transformers_greedy_text_and_are_mostly_accepted(
+        suffix_server, reference_text):
     """A fresh server's one stream: the quote's tokens followed their contexts in the prompt,
     so drafts of several tokens are verified and mostly accepted."""
-    assert streamed_greedy_text(suffix_server, QUOTE) == reference_text(QUOTE, MAX_TOKENS)
+    assert streamed_greedy_text(suffix_server, QUOTE) == reference_text(QUOTE)
     counters = spec_counters(suffix_server)
     assert counters["spec_decode_num_accepted_tokens"] >= 0.3 * MAX_TOKENS
     assert counters["spec_decode_num_draft_tokens"] > counters["spec_decode_num_drafts"], \
@@ -173,13 +181,12 @@ def draft_model_server(tmp_path_factory):
 
 
 def test_a_draft_model_streams_transformers_greedy_text_and_its_twins_drafts_all_pass(
-        draft_model_server):
+        draft_model_server, reference_text):
     """A reply nothing in its prompt predicts: only a model can draft it. With the target's
     own weights every draft is the target's next token (any stale or missing draft K/V would
     be rejected), and the text is transformers' greedy text."""
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
-    assert streamed_greedy_text(draft_model_server, messages) == reference_text(
-        messages, MAX_TOKENS)
+    assert streamed_greedy_text(draft_model_server, messages) == reference_text(messages)
     counters = spec_counters(draft_model_server)
     assert counters["spec_decode_num_draft_tokens"] >= MAX_TOKENS // 2
     assert counters["spec_decode_num_accepted_tokens"] == counters["spec_decode_num_draft_tokens"]
