@@ -16,10 +16,13 @@ from engine.speculative.cost import StepCost
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Acceptance, Speculator
 from engine.speculative.suffix import (
+    SURE_CONTEXT,
+    SURE_SHARE,
     FollowCounts,
     SuffixProposer,
     context_hashes,
     counted_lengths,
+    likeliest,
     window_hashes,
 )
 from engine.speculative.verify import DraftedRow, accepted_tokens, drafted_rows, split_samples
@@ -148,6 +151,42 @@ def test_a_sources_sure_draft_needs_a_long_match():
     assert suffix.sure_draft(three) == []  # a third each
     brief = decoding("d", [7, 8, 9, 1, 2, 7, 8, 9], 4)  # three tokens of context
     assert suffix.propose(brief, 1) == [1] and suffix.sure_draft(brief) == []
+
+
+def counted_sure_draft(proposer: SuffixProposer, request: Request) -> list[int]:
+    """The sure draft by its definition: the request's tokens counted whole, the longest
+    context (here or in finished outputs) at least SURE_CONTEXT long, its likeliest token
+    at least SURE_SHARE of the time."""
+    own = FollowCounts(proposer.max_depth)
+    own.add(request.token_ids, 0, request.num_tokens)
+    order, follow = proposer._longest_context(own, request.token_ids[-proposer.max_depth:])
+    if order < SURE_CONTEXT or not follow:
+        return []
+    token, share = likeliest(follow)
+    return [token] if share >= SURE_SHARE else []
+
+
+def test_a_suffix_probe_searched_for_equals_one_from_the_whole_counts():
+    rng = random.Random(5)
+    sure = 0
+    for trial in range(400):
+        proposer = SuffixProposer(max_depth=24, max_spec_factor=1.0, min_token_prob=0.1,
+                                  max_cached_requests=4)
+        vocab = rng.choice([3, 5, 20])
+        phrase = [rng.randrange(vocab) for _ in range(rng.randrange(5, 30))]
+        tokens = (phrase * 5)[:rng.randrange(2, 120)] + [rng.randrange(vocab)
+                                                         for _ in range(rng.randrange(3))]
+        if trial % 2:  # a finished request's output to draft from too
+            output = [rng.randrange(vocab) for _ in range(30)]
+            done = decoding(f"f{trial}", [*phrase[:3], *output], 3)
+            proposer.propose(done, 1)
+            done.finish("stop")
+            proposer.finished(done)
+        request = decoding(f"r{trial}", tokens, 1)
+        want = counted_sure_draft(proposer, request)
+        assert proposer.sure_draft(request) == want
+        sure += bool(want)
+    assert 40 < sure < 360  # both outcomes were met
 
 
 def test_beside_others_a_probe_verifies_only_a_draft_its_source_is_sure_of():
