@@ -78,25 +78,43 @@ class _Powers:
 _POWERS = _Powers()
 
 
+@dataclass(frozen=True, slots=True)
+class Windows:
+    """Hashes of the windows of tokens[base:stop], any length, from one prefix sum of
+    (token + 1) * BASE^-i: every counted length reads the same sum."""
+
+    base: int
+    prefix: np.ndarray  # [stop - base + 1]
+
+    @classmethod
+    def of(cls, tokens: list[int], base: int, stop: int) -> Windows:
+        values = np.asarray(tokens[base:stop], dtype=np.uint64) + np.uint64(1)
+        _, down = _POWERS.upto(len(values) + 1)
+        prefix = np.zeros(len(values) + 1, np.uint64)
+        np.cumsum(values * down[:len(values)], out=prefix[1:])
+        return cls(base, prefix)
+
+    def hashes(self, length: int, first_end: int, last_end: int) -> np.ndarray:
+        """context_hashes' value of tokens[p - length:p] for every p in [first_end,
+        last_end] (each window inside [base, stop))."""
+        ends = np.arange(first_end - self.base, last_end - self.base + 1)
+        up, _ = _POWERS.upto(len(self.prefix))
+        return up[ends - 1] * (self.prefix[ends] - self.prefix[ends - length])
+
+
 def window_hashes(tokens: list[int], first: int, stop: int, length: int) -> np.ndarray:
     """context_hashes' value of tokens[p - length:p] for every p in [first + length, stop],
-    at once: the windows' sums from one prefix sum of (token + 1) * BASE^-i."""
-    values = np.asarray(tokens[first:stop], dtype=np.uint64) + np.uint64(1)
-    up, down = _POWERS.upto(len(values) + 1)
-    prefix = np.zeros(len(values) + 1, np.uint64)
-    np.cumsum(values * down[:len(values)], out=prefix[1:])
-    ends = np.arange(length, len(values) + 1)
-    return up[ends - 1] * (prefix[ends] - prefix[ends - length])
+    at once."""
+    return Windows.of(tokens, first, stop).hashes(length, first + length, stop)
 
 
-def followers(tokens: list[int], length: int, key: int) -> list[int]:
+def followers(tokens: list[int], windows: Windows, length: int, key: int) -> list[int]:
     """The tokens that followed each earlier window of `length` tokens hashing to `key`
-    (what FollowCounts.add counts for that context)."""
+    (what FollowCounts.add counts for that context); `windows` over tokens[0:-1]."""
     if len(tokens) <= length:
         return []
-    hashes = window_hashes(tokens, 0, len(tokens) - 1, length)
-    at = np.flatnonzero(hashes == np.uint64(key)) + length
-    return [tokens[position] for position in at.tolist()]
+    at = np.flatnonzero(windows.hashes(length, length, len(tokens) - 1) == np.uint64(key))
+    return [tokens[position] for position in (at + length).tolist()]
 
 
 @dataclass(slots=True)
@@ -118,10 +136,11 @@ class FollowCounts:
                          for _, key in context_hashes(tokens, position, self.max_depth,
                                                       self.lengths)), sign)
             return
+        windows = Windows.of(tokens, max(start - max(self.lengths), 0), stop - 1)
         for length in self.lengths:
             begin = max(start, length)  # the first position with a whole context
             if begin < stop:
-                keys = window_hashes(tokens, begin - length, stop - 1, length).tolist()
+                keys = windows.hashes(length, begin, stop - 1).tolist()
                 self._count(zip(keys, tokens[begin:stop], strict=True), sign)
 
     def _count(self, pairs: Iterable[tuple[int, int]], sign: int) -> None:
@@ -193,13 +212,14 @@ class SuffixProposer:
         requests in one step, and catching each one's counts up there cost ~0.3 ms a
         request at 32 streams (the counts catch up when it drafts)."""
         tokens = request.token_ids
-        self.running.setdefault(request.request_id, RequestCounts(FollowCounts(self.max_depth)))
+        self._counts_of(request)  # its output joins the shared counts when it finishes
         hashes = context_hashes(tokens, len(tokens), self.max_depth, self.shared.lengths)
+        windows = Windows.of(tokens, 0, len(tokens) - 1)
         for order, key in reversed(hashes):
             if order < SURE_CONTEXT:
                 break
             follow = dict(self.shared.counts.get(key, {}))
-            for token in followers(tokens, order, key):
+            for token in followers(tokens, windows, order, key):
                 follow[token] = follow.get(token, 0) + 1
             if follow:
                 token, share = likeliest(follow)
@@ -207,10 +227,14 @@ class SuffixProposer:
         return []
 
     def _own_counts(self, request: Request) -> RequestCounts:
+        own = self._counts_of(request)
+        own.catch_up(request.token_ids)
+        return own
+
+    def _counts_of(self, request: Request) -> RequestCounts:
         own = self.running.get(request.request_id)
         if own is None:
             own = self.running[request.request_id] = RequestCounts(FollowCounts(self.max_depth))
-        own.catch_up(request.token_ids)
         return own
 
     def _longest_context(self, own: FollowCounts, tokens: list[int],
