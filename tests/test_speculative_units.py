@@ -292,12 +292,49 @@ def test_the_cost_table_uses_what_it_saw_often_and_leans_on_its_line_elsewhere()
     assert cost.seconds(1) == pytest.approx(0.020, rel=0.1)
     assert cost.seconds(3) == pytest.approx(0.024, rel=0.3)  # from the fitted line
     assert cost.seconds(6) >= cost.seconds(5)  # never below a smaller count's time
-    before = cost.seconds(5)
-    for _ in range(3):
-        cost.observe(5, 0.031)
-    assert 0.031 < cost.seconds(5) < before  # smoothed toward the newest
     cost.observe(7, 0.005)  # one noisy step far below every other: the line outweighs it
     assert cost.seconds(7) > 0.03
+
+
+def test_a_slow_step_moves_the_cost_table_little_and_a_lasting_change_moves_it():
+    cost = StepCost()
+    for _ in range(20):
+        for rows, seconds in [(1, 0.020), (5, 0.041)]:
+            cost.observe(rows, seconds)
+    for rows in (1, 5):  # a hiccup at each count (the machine paused the process)
+        cost.observe(rows, 0.200)
+    assert cost.seconds(1) == pytest.approx(0.020, rel=0.05)
+    assert cost.seconds(5) == pytest.approx(0.041, rel=0.05)
+    for _ in range(12):  # five rows got cheaper for good (say, a kernel that serves them)
+        cost.observe(1, 0.020)
+        cost.observe(5, 0.031)
+    assert cost.seconds(5) == pytest.approx(0.031, rel=0.05)
+
+
+def test_a_count_seen_long_ago_keeps_its_cost_relative_to_the_plain_step():
+    """A busy server: 32 decoding rows, one draft row now and then. Early, 33 rows took 3%
+    more than 32; since then contexts grew and every step takes a third more: 33 rows still
+    cost 3% more than 32, not less (their absolute times went stale)."""
+    cost = StepCost()
+    for step in range(400):
+        plain = 0.030 * (1 + step / 1200)
+        cost.observe(32, plain)
+        if step < 40 and step % 4 == 0:
+            cost.observe(33, plain * 1.03)
+    assert cost.seconds(32) == pytest.approx(0.040, rel=0.02)
+    assert cost.seconds(33) / cost.seconds(32) == pytest.approx(1.03, abs=0.01)
+
+
+def test_when_the_batch_shrinks_for_good_the_costs_keep_their_ratios():
+    cost = StepCost()
+    for _ in range(30):
+        for rows, seconds in [(32, 0.040), (33, 0.042), (28, 0.036)]:
+            cost.observe(rows, seconds)
+    for _ in range(100):  # 32 and 33 rows are not run again
+        cost.observe(28, 0.036)
+    assert cost.anchor == 28
+    assert cost.seconds(33) / cost.seconds(32) == pytest.approx(0.042 / 0.040, rel=0.01)
+    assert cost.seconds(28) == pytest.approx(0.036, rel=0.02)
 
 
 class FixedDrafts:
