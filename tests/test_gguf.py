@@ -145,15 +145,17 @@ def test_q4_linears_keep_the_files_codes_and_match_float_math(tiny_gguf: Path,
 def test_a_tied_q8_0_embedding_becomes_a_q8_0_head_and_stays_float_for_lookups(
         tmp_path: Path) -> None:
     """SmolLM2's GGUF: the head is the Q8_0 embedding. In bf16 the head reads its codes
-    through the C++ kernel for decode-sized steps, the lookup reads a float copy, and the
-    logits are float math on the dequantized weights (bf16-rounded activations aside)."""
+    through the C++ kernel for decode-sized steps (the tiled one where the CPU multiplies
+    bf16 pairs), the lookup reads a float copy, and the logits are float math on the
+    dequantized weights (bf16-rounded activations aside)."""
     path = tmp_path / "tiny-tied.gguf"
     write_tiny_gguf(path, types={**TENSOR_TYPES, "token_embd": "Q8_0"}, tied=True)
     model_dir = prepare_gguf(str(path), tmp_path / "cache", with_tokenizer=False)
     float_model = load_model(model_dir, torch.float32, torch.device("cpu"), quantization="none")
     model = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
     head = model.lm_head
-    assert isinstance(head, Q8_0Linear) and head.kernel_rows == 4
+    assert isinstance(head, Q8_0Linear)
+    assert head.kernel_rows == (Q8_0Linear.tiled_kernel_rows if head.tiled else 4)
     embedding = float_model.model.embed_tokens.weight
     assert torch.equal(head.dequantized_weight(), embedding)  # q·d, exactly
     assert torch.equal(model.model.embed_tokens.weight, embedding.bfloat16())

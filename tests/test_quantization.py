@@ -20,7 +20,7 @@ from torch import nn
 from engine.kernels import moe_int4, w4a8
 from engine.kernels import w8a8 as w8a8_kernels
 from engine.kernels.int4_matmul import load_int4_kernel
-from engine.kernels.q8_0_matmul import load_q8_kernel
+from engine.kernels.q8_0_matmul import load_q8_kernel, tiles_serve
 from engine.layers.batch_invariant import MIN_ROWS, MIN_ROWS_FP32
 from engine.platform.cpu import cpu_flags
 from engine.quantization.base import FLOAT32_KERNEL_ROWS, QuantizedLinear
@@ -478,3 +478,29 @@ def test_default_model_activation_quantized_layers_match_float_math_on_their_rea
 
 
 DEFAULT_MODEL_PROMPT = [504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 11741, 314]
+
+
+def test_the_tiled_q8_0_kernel_equals_float_math_and_a_rows_sum_is_its_own() -> None:
+    """bf16 on a CPU that multiplies bf16 pairs: codes held in tiles of 16 channels (70
+    channels: the last tile padded), 1-13 rows each equal float math on the dequantized
+    weight, and from 3 to tiled_kernel_rows rows a row's result is the same whatever rows
+    share its step (one and two rows take fp32 products)."""
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (70, 96), generator=generator, dtype=torch.int8)
+    scales = torch.rand(70, 3, generator=generator) * 0.01
+    layer = Q8_0Linear(codes, scales, None, torch.bfloat16)
+    assert layer.tiled == tiles_serve(torch.device("cpu"), torch.bfloat16)
+    if not layer.tiled:
+        assert layer.kernel_rows == Q8_0Linear.max_kernel_rows
+        return
+    assert layer.kernel_rows == Q8_0Linear.tiled_kernel_rows
+    weight = (codes.float().view(70, -1, 32) * scales[..., None]).view(70, 96)
+    assert torch.equal(layer.dequantized_weight(), weight)
+    x = torch.randn(13, 96, generator=generator).bfloat16()
+    for rows in range(1, 14):
+        expected = x[:rows].float() @ weight.T
+        out = layer(x[:rows]).float()
+        assert (out - expected).abs().max().item() <= 2**-7 * expected.abs().max().item()
+    last_three = layer(x[9:12])
+    for first in range(0, 9):
+        assert torch.equal(layer(x[first:12])[-3:], last_three)
