@@ -494,6 +494,7 @@ def test_the_tiled_q8_0_kernel_equals_float_math_and_a_rows_sum_is_its_own() -> 
         assert layer.kernel_rows == Q8_0Linear.max_kernel_rows
         return
     assert layer.kernel_rows == Q8_0Linear.tiled_kernel_rows
+    assert not layer.serves_float32  # its one- and two-row sums differ from three rows' and up
     weight = (codes.float().view(70, -1, 32) * scales[..., None]).view(70, 96)
     assert torch.equal(layer.dequantized_weight(), weight)
     x = torch.randn(13, 96, generator=generator).bfloat16()

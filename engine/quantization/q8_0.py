@@ -56,7 +56,8 @@ class Q8_0Linear(QuantizedLinear):
 
     @property
     def serves_float32(self) -> bool:
-        return self.uses_kernel
+        """The tiled kernel takes bf16 only (so it never sums a batch-invariant fp32 step)."""
+        return self.uses_kernel and not self.tiled
 
     def dequantized_weight(self) -> torch.Tensor:
         """q·d in float32, exactly as the file defines the weight."""
