@@ -70,8 +70,6 @@ class Q8_0Linear(QuantizedLinear):
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiled and x.dtype is torch.bfloat16:
             return run_q8_0_tiles(x, self.codes, self.block_scales, self.out_features)
-        if self.tiled:
-            return (x.float() @ self.dequantized_weight().T).to(x.dtype)
-        if self.uses_kernel:
+        if self.uses_kernel and not self.tiled:
             return run_q8_0_matmul(x, self.codes, self.block_scales)
         return (x.float() @ self.dequantized_weight().to(x.device).T).to(x.dtype)

@@ -133,7 +133,6 @@ void dispatch_block(const T* x, int64_t rows, const int8_t* q, const float* d, T
   return matmul<T, 32>(x, rows, q, d, y, n, k, threads);
 }
 
-
 #if defined(__AVX512BF16__)
 // The tiled layout (bf16 activations where the CPU multiplies bf16 pairs): 16 output channels
 // a tile; per pair of input channels (2i, 2i + 1) the tile's 16 channels' two codes side by
@@ -210,17 +209,24 @@ void tile_fp32(const float* xf, int64_t k, const int8_t* q, const float* d, floa
   }
 }
 
+// `tile` for rows 3..kMaxTileRows, the row count chosen at run time.
 template <int kBlock, int kRows = 3>
-void tile_rows(const uint16_t* x, const float* xf, int64_t rows, int64_t k, const int8_t* q,
-               const float* d, float* out) {
-  if (rows == 1) return tile_fp32<1, kBlock>(xf, k, q, d, out);
-  if (rows == 2) return tile_fp32<2, kBlock>(xf, k, q, d, out);
+void tile_pairs(const uint16_t* x, int64_t rows, int64_t k, const int8_t* q, const float* d,
+                float* out) {
   if constexpr (kRows == kMaxTileRows) {
     return tile<kRows, kBlock>(x, k, q, d, out);
   } else {
     if (rows == kRows) return tile<kRows, kBlock>(x, k, q, d, out);
-    return tile_rows<kBlock, kRows + 1>(x, xf, rows, k, q, d, out);
+    return tile_pairs<kBlock, kRows + 1>(x, rows, k, q, d, out);
   }
+}
+
+template <int kBlock>
+void tile_rows(const uint16_t* x, const float* xf, int64_t rows, int64_t k, const int8_t* q,
+               const float* d, float* out) {
+  if (rows == 1) return tile_fp32<1, kBlock>(xf, k, q, d, out);
+  if (rows == 2) return tile_fp32<2, kBlock>(xf, k, q, d, out);
+  tile_pairs<kBlock>(x, rows, k, q, d, out);
 }
 
 template <int kBlock>
