@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import random
 
 import pytest
@@ -153,17 +154,52 @@ def test_a_sources_sure_draft_needs_a_long_match():
     assert suffix.propose(brief, 1) == [1] and suffix.sure_draft(brief) == []
 
 
+def counted_longest(proposer: SuffixProposer, own: FollowCounts,
+                    tokens: list[int]) -> tuple[int, dict[int, int]]:
+    """The longest suffix of `tokens` that the request's whole counts or the finished
+    outputs' counts hold, and what followed it (finished outputs' tokens first)."""
+    hashes = context_hashes(tokens, len(tokens), proposer.max_depth, proposer.shared.lengths)
+    for order, key in reversed(hashes):
+        follow = dict(proposer.shared.counts.get(key, {}))
+        for token, count in own.counts.get(key, {}).items():
+            follow[token] = follow.get(token, 0) + count
+        if follow:
+            return order, follow
+    return 0, {}
+
+
 def counted_sure_draft(proposer: SuffixProposer, request: Request) -> list[int]:
     """The sure draft by its definition: the request's tokens counted whole, the longest
     context (here or in finished outputs) at least SURE_CONTEXT long, its likeliest token
     at least SURE_SHARE of the time."""
     own = FollowCounts(proposer.max_depth)
     own.add(request.token_ids, 0, request.num_tokens)
-    order, follow = proposer._longest_context(own, request.token_ids[-proposer.max_depth:])
+    order, follow = counted_longest(proposer, own, request.token_ids[-proposer.max_depth:])
     if order < SURE_CONTEXT or not follow:
         return []
     token, share = likeliest(follow)
     return [token] if share >= SURE_SHARE else []
+
+
+def counted_drafts(proposer: SuffixProposer, request: Request, max_drafts: int) -> list[int]:
+    """SuffixProposer.propose's walk over the request's tokens counted whole."""
+    own = FollowCounts(proposer.max_depth)
+    own.add(request.token_ids, 0, request.num_tokens)
+    tokens, drafts = request.token_ids[-proposer.max_depth:], []
+    probability, limit = 1.0, max_drafts
+    while len(drafts) < limit:
+        order, follow = counted_longest(proposer, own, tokens)
+        if not follow:
+            break
+        token, share = likeliest(follow)
+        probability *= share
+        if probability < proposer.min_token_prob:
+            break
+        if not drafts:
+            limit = min(max_drafts, math.ceil(proposer.max_spec_factor * order))
+        drafts.append(token)
+        tokens = [*tokens, token][-proposer.max_depth:]
+    return drafts
 
 
 def test_a_suffix_probe_searched_for_equals_one_from_the_whole_counts():
@@ -187,6 +223,34 @@ def test_a_suffix_probe_searched_for_equals_one_from_the_whole_counts():
         assert proposer.sure_draft(request) == want
         sure += bool(want)
     assert 40 < sure < 360  # both outcomes were met
+
+
+def test_drafts_from_a_searched_history_grown_step_by_step_equal_those_from_whole_counts():
+    """A request's own windows are indexed as its tokens arrive, a few a step (drafting some
+    steps, not others): its drafts equal the walk over its tokens counted whole."""
+    rng = random.Random(9)
+    drafted = 0
+    for trial in range(60):
+        proposer = SuffixProposer(max_depth=24, max_spec_factor=2.0, min_token_prob=0.1,
+                                  max_cached_requests=2)
+        vocab = rng.choice([4, 12, 50])
+        phrase = [rng.randrange(vocab) for _ in range(rng.randrange(4, 40))]
+        if trial % 3 == 0:  # a finished output to draft from as well
+            done = decoding(f"f{trial}", [*phrase, *phrase[:10]], len(phrase))
+            proposer.propose(done, 1)
+            done.finish("stop")
+            proposer.finished(done)
+        stream = phrase * 6 + [rng.randrange(vocab) for _ in range(20)]
+        request = decoding(f"r{trial}", stream[:rng.randrange(1, 30)], 1)
+        while request.num_tokens < len(stream):
+            if rng.random() < 0.5:
+                max_drafts = rng.choice([1, 3, 8])
+                got = proposer.propose(request, max_drafts)
+                assert got == counted_drafts(proposer, request, max_drafts), trial
+                drafted += bool(got)
+            for token in stream[request.num_tokens:request.num_tokens + rng.choice([1, 2, 5, 9])]:
+                request.append_token(token)
+    assert drafted > 100
 
 
 def test_beside_others_a_probe_verifies_only_a_draft_its_source_is_sure_of():

@@ -1,15 +1,16 @@
 """Suffix decoding (vLLM's "suffix" method, after Arctic Inference's SuffixDecoding):
-drafts from how often each token followed the request's latest context, counted over its own
-prompt and output and over the outputs of recent finished requests (agents repeat
-themselves across requests). The longest context seen (up to `max_depth` tokens) predicts
+drafts from how often each token followed the request's latest context in its own prompt
+and output (searched for) and in the outputs of recent finished requests (counted: agents
+repeat themselves across requests). The longest context seen (up to `max_depth` tokens) predicts
 the next token; drafting goes on while the product of those frequencies stays at least
 `min_token_prob`, at most `max_spec_factor` tokens per matched context token.
 
 Contexts are keyed by a polynomial hash modulo 2^64: a collision can only cost a rejected
 draft. Only some context lengths are counted (1-4, 6, 9, 13, 19, 24: `counted_lengths`): the
-longest match is found within one of them, at a third of the dict work of every length. The
+longest match is found within one of them, at a third of the work of every length. The
 hashes of every position's contexts come from one prefix sum (numpy), so counting a token
-is a few dict updates."""
+is a few dict updates, and a request's own windows are arrays of hashes, grown as its
+tokens arrive."""
 
 from __future__ import annotations
 
@@ -108,15 +109,6 @@ def window_hashes(tokens: list[int], first: int, stop: int, length: int) -> np.n
     return Windows.of(tokens, first, stop).hashes(length, first + length, stop)
 
 
-def followers(tokens: list[int], windows: Windows, length: int, key: int) -> list[int]:
-    """The tokens that followed each earlier window of `length` tokens hashing to `key`
-    (what FollowCounts.add counts for that context); `windows` over tokens[0:-1]."""
-    if len(tokens) <= length:
-        return []
-    at = np.flatnonzero(windows.hashes(length, length, len(tokens) - 1) == np.uint64(key))
-    return [tokens[position] for position in (at + length).tolist()]
-
-
 @dataclass(slots=True)
 class FollowCounts:
     """context hash -> {next token: count}, over the sequences added to it."""
@@ -159,13 +151,74 @@ class FollowCounts:
 
 
 @dataclass(slots=True)
-class RequestCounts:
-    follows: FollowCounts
-    num_counted: int = 0  # tokens counted so far
+class History:
+    """A running request's own contexts: for each counted length, the hash of every window
+    of its tokens that some token followed, searched (numpy) when it drafts rather than
+    counted into dicts: a request's first drafts came with a catch-up over its whole prompt,
+    ~2-3 ms of dict updates at a few hundred tokens. Arrays grow by doubling; the window
+    of `length` tokens ending at position p (followed by token p) is keys[length][p - length]."""
+
+    max_depth: int
+    lengths: frozenset[int]
+    keys: dict[int, np.ndarray] = field(default_factory=dict)
+    seen: dict[int, set[int]] = field(default_factory=dict)  # the same keys, tested first
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(64, np.int64))
+    num_indexed: int = 0  # tokens read; windows end before the last of them
 
     def catch_up(self, tokens: list[int]) -> None:
-        self.follows.add(tokens, self.num_counted, len(tokens))
-        self.num_counted = len(tokens)
+        """Indexes the windows that the tokens read since last time follow."""
+        start, stop = max(self.num_indexed, 1), len(tokens)
+        if start >= stop:
+            return
+        for length, new in self._new_keys(tokens, start, stop).items():
+            self._store(length, stop - length, new)
+        self.tokens = _room(self.tokens, stop)
+        self.tokens[self.num_indexed:stop] = tokens[self.num_indexed:stop]
+        self.num_indexed = stop
+
+    def _new_keys(self, tokens: list[int], start: int, stop: int,
+                  ) -> dict[int, np.ndarray | list[int]]:
+        """By length, the hashes of the windows ending at start..stop-1 (those whole)."""
+        if stop - start <= FEW_POSITIONS:  # a step's new tokens: no arrays for so few
+            new: dict[int, list[int]] = {}
+            for position in range(start, stop):
+                for length, key in context_hashes(tokens, position, self.max_depth,
+                                                  self.lengths):
+                    new.setdefault(length, []).append(key)
+            return new
+        windows = Windows.of(tokens, max(start - max(self.lengths), 0), stop - 1)
+        return {length: windows.hashes(length, max(start, length), stop - 1)
+                for length in self.lengths if max(start, length) < stop}
+
+    def _store(self, length: int, size: int, new: np.ndarray | list[int]) -> None:
+        """Puts `new` as the last keys of `length`, `size` of them in all."""
+        keys = self.keys[length] = _room(self.keys.get(length, _EMPTY), size)
+        keys[size - len(new):size] = new
+        self.seen.setdefault(length, set()).update(
+            new.tolist() if isinstance(new, np.ndarray) else new)
+
+    def followers(self, length: int, key: int) -> dict[int, int]:
+        """What followed each window of `length` tokens hashing to `key`: token -> count, in
+        order of first occurrence (as FollowCounts would hold it)."""
+        if key not in self.seen.get(length, ()):
+            return {}
+        keys = self.keys[length][:self.num_indexed - length]
+        follow: dict[int, int] = {}
+        for token in self.tokens[(keys == np.uint64(key)).nonzero()[0] + length].tolist():
+            follow[token] = follow.get(token, 0) + 1
+        return follow
+
+
+_EMPTY = np.zeros(0, np.uint64)
+
+
+def _room(array: np.ndarray, size: int) -> np.ndarray:
+    """`array`, or a copy twice as long, so that it holds at least `size` values."""
+    if len(array) >= size:
+        return array
+    grown = np.empty(max(size, 2 * len(array)), array.dtype)
+    grown[:len(array)] = array
+    return grown
 
 
 def likeliest(follow: dict[int, int]) -> tuple[int, float]:
@@ -181,18 +234,18 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.max_cached_requests = max_cached_requests
-        self.running: dict[str, RequestCounts] = {}
+        self.running: dict[str, History] = {}
         self.shared = FollowCounts(max_depth)  # outputs of finished requests
         self.shared_outputs: deque[list[int]] = deque()
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
-        own = self._own_counts(request)
+        own = self._history(request)
         tokens = request.token_ids[-self.max_depth:]
         drafts: list[int] = []
         probability = 1.0
         limit = max_drafts
         while len(drafts) < limit:
-            order, follow = self._longest_context(own.follows, tokens)
+            order, follow = self._longest_context(own, tokens)
             if not follow:
                 break
             token, share = likeliest(follow)
@@ -207,43 +260,28 @@ class SuffixProposer:
 
     def sure_draft(self, request: Request) -> list[int]:
         """The likeliest next token where a context of at least SURE_CONTEXT tokens was
-        followed by it at least SURE_SHARE of the time, else none. The request's own tokens
-        are searched for those contexts alone, not counted: probes fall due for many
-        requests in one step, and catching each one's counts up there cost ~0.3 ms a
-        request at 32 streams (the counts catch up when it drafts)."""
-        tokens = request.token_ids
-        self._counts_of(request)  # its output joins the shared counts when it finishes
-        hashes = context_hashes(tokens, len(tokens), self.max_depth, self.shared.lengths)
-        windows = Windows.of(tokens, 0, len(tokens) - 1)
-        for order, key in reversed(hashes):
-            if order < SURE_CONTEXT:
-                break
-            follow = dict(self.shared.counts.get(key, {}))
-            for token in followers(tokens, windows, order, key):
-                follow[token] = follow.get(token, 0) + 1
-            if follow:
-                token, share = likeliest(follow)
-                return [token] if share >= SURE_SHARE else []
-        return []
+        followed by it at least SURE_SHARE of the time, else none."""
+        tokens = request.token_ids[-self.max_depth:]
+        order, follow = self._longest_context(self._history(request), tokens)
+        if order < SURE_CONTEXT or not follow:
+            return []
+        token, share = likeliest(follow)
+        return [token] if share >= SURE_SHARE else []
 
-    def _own_counts(self, request: Request) -> RequestCounts:
-        own = self._counts_of(request)
+    def _history(self, request: Request) -> History:
+        own = self.running.get(request.request_id)
+        if own is None:
+            own = self.running[request.request_id] = History(self.max_depth, self.shared.lengths)
         own.catch_up(request.token_ids)
         return own
 
-    def _counts_of(self, request: Request) -> RequestCounts:
-        own = self.running.get(request.request_id)
-        if own is None:
-            own = self.running[request.request_id] = RequestCounts(FollowCounts(self.max_depth))
-        return own
-
-    def _longest_context(self, own: FollowCounts, tokens: list[int],
+    def _longest_context(self, own: History, tokens: list[int],
                          ) -> tuple[int, dict[int, int]]:
         """The longest suffix of `tokens` followed by anything, here or in finished
         requests' outputs, and what followed it (both counts added)."""
         hashes = context_hashes(tokens, len(tokens), self.max_depth, self.shared.lengths)
         for order, key in reversed(hashes):
-            mine, theirs = own.counts.get(key), self.shared.counts.get(key)
+            mine, theirs = own.followers(order, key), self.shared.counts.get(key)
             if mine and theirs:
                 merged = dict(theirs)
                 for token, count in mine.items():
