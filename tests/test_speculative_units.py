@@ -263,11 +263,31 @@ def test_beside_others_a_probe_verifies_only_a_draft_its_source_is_sure_of():
             config = SpeculativeConfig("ngram", prompt_lookup_min=2, prompt_lookup_max=4)
             speculator = Speculator(config, max_model_len=1000)
             for rows in range(1, 12):
-                speculator.observe_step(rows, 0.02 * rows)  # each row costs a whole step
+                speculator.observe_step(rows, 0.02 * (1 + 0.03 * rows))  # no draft pays
             request = decoding("r", tokens, 4)
+            speculator.acceptance["r"] = Acceptance(accepted=0.0, decided=5.0)
             running = [request, *(decoding(f"o{i}", [90, 91], 1) for i in range(others))]
             speculator.propose(running, step=1)
             assert request.draft_token_ids == probed, (tokens, others)
+
+
+def test_no_probe_where_a_row_costs_the_batch_more_than_a_sure_draft_yields():
+    """A probe's row, even accepted, yields its request one token (log 2 in log speed). A
+    step costs 5 + rows units: beside 31 others, one more row slows all 32 requests by 1/37
+    (32 x log(38/37) = 0.85 > log 2), so no draft could pay and none is probed; the probes
+    are still due when the batch shrinks to 8 (8 x log(14/13) = 0.59)."""
+    speculator = speculator_with([5] * 4)
+    for _ in range(8):
+        for rows in range(1, 50):
+            speculator.observe_step(rows, 0.001 * (5 + rows))
+    batch = [decoding(f"r{i}", [1, 2, 3, 4], 3) for i in range(32)]
+    for request in batch:
+        speculator.acceptance[request.request_id] = Acceptance(accepted=0.0, decided=5.0)
+    for step in range(1, 40):
+        speculator.propose(batch, step)
+        assert all(r.draft_token_ids == [] for r in batch), step
+    speculator.propose(batch[:8], step=40)
+    assert [r.draft_token_ids for r in batch[:8]] == [[5]] * 8
 
 
 def test_every_positions_context_hashes_at_once_equal_the_lookups_one_by_one():

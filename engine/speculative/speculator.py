@@ -183,7 +183,7 @@ class Speculator:
                 candidates.append((gain, request_id))
                 expected += value
         candidates.sort(key=lambda candidate: -candidate[0])
-        times = self.cost.seconds_from(num_decoding, len(candidates))
+        times = self.cost.seconds_from(num_decoding, len(candidates) + 1)
         base = num_decoding * math.log(times[0])
         best_count, best_gain, gain = 0, MIN_GAIN_PER_REQUEST * num_decoding, 0.0
         for count, (value, _) in enumerate(candidates, start=1):
@@ -194,12 +194,17 @@ class Speculator:
         taken: dict[str, int] = dict.fromkeys(rooms, 0)
         for _, request_id in candidates[:best_count]:
             taken[request_id] += 1
+        # A probe adds a row; even accepted, it yields its request one token more (log 2).
+        # Where the row costs the step's requests more than that, no draft of any request
+        # pays at this batch either: the probes wait (still due) until the batch shrinks.
+        row_cost = num_decoding * math.log(times[best_count + 1] / times[best_count])
+        probing = num_decoding == 1 or row_cost < math.log(2)
         probes = set()
         for request_id, count in taken.items():
             acceptance = self.acceptance[request_id]
             if count:
                 acceptance.pause = FIRST_PAUSE
-            elif acceptance.probe_due(step):
+            elif probing and acceptance.probe_due(step):
                 probes.add(request_id)
         return taken, probes
 
