@@ -517,6 +517,9 @@ RUN_CASES = [
          head_dim=128),
     Case("runs_mha_block32", ((1, 33), (3, 31), (8, 100)), num_heads=4, num_kv_heads=4,
          block_size=32),
+    # One stream's verification: too few tasks for two threads, so its run is cut in two.
+    Case("one_run", ((7, 300),)),
+    Case("one_run_gqa4_dim128", ((5, 150),), num_heads=8, num_kv_heads=2, head_dim=128),
 ]
 
 

@@ -1262,6 +1262,23 @@ DecodeRun<T, C> pick_decode_run(int64_t dim, int64_t group, int64_t block_size,
   }
 }
 
+// Where the runs' pieces begin (and the last one ends): each run whole, or, where its tasks
+// would leave threads idle (one stream's verification: three KV heads' tasks on two
+// threads), cut into consecutive rows enough to give each thread two tasks. A row's sums do
+// not depend on the rows beside it in a run, so the cut changes no bits.
+inline std::vector<int64_t> run_pieces(const int64_t* runs, int64_t num_runs,
+                                       int64_t tasks_per_run, int threads) {
+  std::vector<int64_t> bounds{0};
+  const int64_t tasks = num_runs * tasks_per_run, wanted = 2 * int64_t(threads);
+  const int64_t cuts = tasks >= wanted ? 1 : (wanted + tasks - 1) / tasks;
+  for (int64_t i = 0; i < num_runs; ++i) {
+    const int64_t begin = runs ? runs[i] : i, end = runs ? runs[i + 1] : i + 1;
+    const int64_t pieces = std::min(cuts, end - begin);
+    for (int64_t k = 1; k <= pieces; ++k) bounds.push_back(begin + (end - begin) * k / pieces);
+  }
+  return bounds;
+}
+
 // Entries [runs[i], runs[i + 1]) are run i: rows of one request at consecutive positions,
 // their block tables alike (runs == nullptr: every entry is a run of its own).
 template <typename T, typename C>
@@ -1279,14 +1296,16 @@ void decode(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,
   // task per (run, KV head), so every thread has work.
   const int64_t task_heads = num_runs >= kRequestsPerThread * threads ? num_kv_heads : 1;
   const int64_t tasks_per_run = num_kv_heads / task_heads;
+  const std::vector<int64_t> bounds = run_pieces(runs, num_runs, tasks_per_run, threads);
+  const int64_t num_pieces = int64_t(bounds.size()) - 1;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores, tile;
     Run<T> run;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_runs * tasks_per_run; ++item) {
+    for (int64_t item = 0; item < num_pieces * tasks_per_run; ++item) {
       const int64_t i = item / tasks_per_run;
-      const int64_t begin = runs ? runs[i] : i, end = runs ? runs[i + 1] : i + 1;
+      const int64_t begin = bounds[i], end = bounds[i + 1];
       Task a{0, (item % tasks_per_run) * task_heads, task_heads, group, num_kv_heads,
              block_size, scale, 0, softcap, tiles};
       if (end - begin > 1 && run_kernel != nullptr) {
