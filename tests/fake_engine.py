@@ -107,6 +107,7 @@ class FakeEngine:
     endpoints: Endpoints
     eos_token_ids: list[int]
     step_interval_s: float = 0.001
+    tokens_per_step: int = 1  # as a speculative engine's accepted drafts come, several a step
     queue_time_s: float = 0.25  # reported with each request's first token
     # The tokens to answer a request with, cycled when shorter than max_tokens.
     reply: Callable[[AddRequest], list[int]] = lambda request: [5, 6, 7]
@@ -188,21 +189,29 @@ class FakeEngine:
             self.shutdowns += 1
 
     async def _step(self) -> None:
-        outputs = []
-        for request_id, running in list(self._running.items()):
+        outputs = [self._output(request_id, running)
+                   for request_id, running in list(self._running.items())]
+        self.step += 1
+        stats = StepStats(num_running=len(self._running),
+                          num_generation_tokens=sum(len(o.new_token_ids) for o in outputs))
+        await self.send(StepOutputs(self.step, outputs, stats))
+
+    def _output(self, request_id: str, running: _Running) -> RequestOutput:
+        """Up to tokens_per_step tokens of the script, cut where the request finishes."""
+        tokens: list[int] = []
+        finish = None
+        while finish is None and len(tokens) < self.tokens_per_step:
             token = running.script[running.generated % len(running.script)]
             running.generated += 1
+            tokens.append(token)
             finish = self._finish_reason(running, token)
-            if finish is not None:
-                del self._running[request_id]
-            num_top = running.request.sampling.logprobs
-            logprobs = None if num_top is None else [self.logprobs(token, num_top)]
-            queue_time = self.queue_time_s if running.generated == 1 else None
-            outputs.append(RequestOutput(request_id, [token], finish, logprobs=logprobs,
-                                         queue_time_s=queue_time))
-        self.step += 1
-        stats = StepStats(num_running=len(self._running), num_generation_tokens=len(outputs))
-        await self.send(StepOutputs(self.step, outputs, stats))
+        if finish is not None:
+            del self._running[request_id]
+        num_top = running.request.sampling.logprobs
+        logprobs = None if num_top is None else [self.logprobs(t, num_top) for t in tokens]
+        queue_time = self.queue_time_s if running.generated == len(tokens) else None
+        return RequestOutput(request_id, tokens, finish, logprobs=logprobs,
+                             queue_time_s=queue_time)
 
     def _finish_reason(self, running: _Running, token: int) -> str | None:
         sampling = running.request.sampling

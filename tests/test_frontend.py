@@ -155,6 +155,38 @@ async def test_stop_string_excluded_and_engine_aborted(harness: FrontendHarness)
     await harness.engine.wait_for(lambda: request_id in harness.engine.aborted)
 
 
+async def test_a_step_of_several_tokens_streams_as_one_event_cut_at_a_stop_string(
+        harness: FrontendHarness) -> None:
+    """Accepted drafts bring several tokens a step: each step's text is one event (as vLLM
+    streams), its logprobs one entry per token; a stop string inside a step ends the text
+    there and the tokens after it are not counted."""
+    harness.engine.tokens_per_step = 4
+    script = harness.reply_with("The quick brown fox jumps over the lazy dog. END of story.")
+    response = await post(harness, "/v1/completions", {
+        "prompt": "Hi", "stream": True, "logprobs": 0,
+        "stream_options": {"include_usage": True}})
+    chunks = parse_sse(await response.text())
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == harness.tokenizer.decode(script[:-1])  # up to the EOS
+    steps = -(-len(script) // 4)
+    assert len(texts) <= steps < len(script)
+    tokens = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == len(script) - 1
+    assert chunks[-1]["usage"]["completion_tokens"] == len(script)
+
+    response = await post(harness, "/v1/completions", {
+        "prompt": "Hi", "stop": [" lazy"], "stream": True,
+        "stream_options": {"include_usage": True}})
+    chunks = parse_sse(await response.text())
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "The quick brown fox jumps over the"
+    stopped = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    through_stop = len(harness.tokenizer.encode("The quick brown fox jumps over the lazy",
+                                                add_special_tokens=False))
+    assert chunks[-1]["usage"]["completion_tokens"] == through_stop
+
+
 async def test_stop_string_non_streaming(harness: FrontendHarness) -> None:
     harness.reply_with("Hello world! The capital")
     response = await post(harness, "/v1/completions", {"prompt": "Hi", "stop": "world"})
