@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import random
 
 import pytest
@@ -17,13 +16,10 @@ from engine.speculative.cost import StepCost
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.speculator import Acceptance, Speculator
 from engine.speculative.suffix import (
-    SURE_CONTEXT,
-    SURE_SHARE,
     FollowCounts,
     SuffixProposer,
     context_hashes,
     counted_lengths,
-    likeliest,
     window_hashes,
 )
 from engine.speculative.verify import DraftedRow, accepted_tokens, drafted_rows, split_samples
@@ -154,52 +150,28 @@ def test_a_sources_sure_draft_needs_a_long_match():
     assert suffix.propose(brief, 1) == [1] and suffix.sure_draft(brief) == []
 
 
-def counted_longest(proposer: SuffixProposer, own: FollowCounts,
-                    tokens: list[int]) -> tuple[int, dict[int, int]]:
-    """The longest suffix of `tokens` that the request's whole counts or the finished
-    outputs' counts hold, and what followed it (finished outputs' tokens first)."""
-    hashes = context_hashes(tokens, len(tokens), proposer.max_depth, proposer.shared.lengths)
-    for order, key in reversed(hashes):
-        follow = dict(proposer.shared.counts.get(key, {}))
-        for token, count in own.counts.get(key, {}).items():
-            follow[token] = follow.get(token, 0) + count
-        if follow:
-            return order, follow
-    return 0, {}
+def whole_counts(proposer: SuffixProposer, request: Request) -> FollowCounts:
+    """The request's tokens counted whole, as FollowCounts counts finished outputs."""
+    counts = FollowCounts(proposer.max_depth)
+    counts.add(request.token_ids, 0, request.num_tokens)
+    return counts
+
+
+def finish_output(proposer: SuffixProposer, request_id: str, tokens: list[int],
+                  num_prompt: int) -> None:
+    """A request that drafted once and finished: its output joins the shared counts."""
+    done = decoding(request_id, tokens, num_prompt)
+    proposer.propose(done, 1)
+    done.finish("stop")
+    proposer.finished(done)
 
 
 def counted_sure_draft(proposer: SuffixProposer, request: Request) -> list[int]:
-    """The sure draft by its definition: the request's tokens counted whole, the longest
-    context (here or in finished outputs) at least SURE_CONTEXT long, its likeliest token
-    at least SURE_SHARE of the time."""
-    own = FollowCounts(proposer.max_depth)
-    own.add(request.token_ids, 0, request.num_tokens)
-    order, follow = counted_longest(proposer, own, request.token_ids[-proposer.max_depth:])
-    if order < SURE_CONTEXT or not follow:
-        return []
-    token, share = likeliest(follow)
-    return [token] if share >= SURE_SHARE else []
+    return proposer.sure_from(whole_counts(proposer, request), request.token_ids)
 
 
 def counted_drafts(proposer: SuffixProposer, request: Request, max_drafts: int) -> list[int]:
-    """SuffixProposer.propose's walk over the request's tokens counted whole."""
-    own = FollowCounts(proposer.max_depth)
-    own.add(request.token_ids, 0, request.num_tokens)
-    tokens, drafts = request.token_ids[-proposer.max_depth:], []
-    probability, limit = 1.0, max_drafts
-    while len(drafts) < limit:
-        order, follow = counted_longest(proposer, own, tokens)
-        if not follow:
-            break
-        token, share = likeliest(follow)
-        probability *= share
-        if probability < proposer.min_token_prob:
-            break
-        if not drafts:
-            limit = min(max_drafts, math.ceil(proposer.max_spec_factor * order))
-        drafts.append(token)
-        tokens = [*tokens, token][-proposer.max_depth:]
-    return drafts
+    return proposer.drafts_from(whole_counts(proposer, request), request.token_ids, max_drafts)
 
 
 def test_a_suffix_probe_searched_for_equals_one_from_the_whole_counts():
@@ -214,10 +186,7 @@ def test_a_suffix_probe_searched_for_equals_one_from_the_whole_counts():
                                                          for _ in range(rng.randrange(3))]
         if trial % 2:  # a finished request's output to draft from too
             output = [rng.randrange(vocab) for _ in range(30)]
-            done = decoding(f"f{trial}", [*phrase[:3], *output], 3)
-            proposer.propose(done, 1)
-            done.finish("stop")
-            proposer.finished(done)
+            finish_output(proposer, f"f{trial}", [*phrase[:3], *output], 3)
         request = decoding(f"r{trial}", tokens, 1)
         want = counted_sure_draft(proposer, request)
         assert proposer.sure_draft(request) == want
@@ -236,10 +205,7 @@ def test_drafts_from_a_searched_history_grown_step_by_step_equal_those_from_whol
         vocab = rng.choice([4, 12, 50])
         phrase = [rng.randrange(vocab) for _ in range(rng.randrange(4, 40))]
         if trial % 3 == 0:  # a finished output to draft from as well
-            done = decoding(f"f{trial}", [*phrase, *phrase[:10]], len(phrase))
-            proposer.propose(done, 1)
-            done.finish("stop")
-            proposer.finished(done)
+            finish_output(proposer, f"f{trial}", [*phrase, *phrase[:10]], len(phrase))
         stream = phrase * 6 + [rng.randrange(vocab) for _ in range(20)]
         request = decoding(f"r{trial}", stream[:rng.randrange(1, 30)], 1)
         while request.num_tokens < len(stream):

@@ -18,6 +18,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -135,6 +136,10 @@ class FollowCounts:
                 keys = windows.hashes(length, begin, stop - 1).tolist()
                 self._count(zip(keys, tokens[begin:stop], strict=True), sign)
 
+    def followers(self, length: int, key: int) -> dict[int, int]:
+        """What followed the context hashing to `key` (its length is in the hash)."""
+        return self.counts.get(key, {})
+
     def _count(self, pairs: Iterable[tuple[int, int]], sign: int) -> None:
         counts = self.counts
         for key, token in pairs:
@@ -148,6 +153,12 @@ class FollowCounts:
                 follow.pop(token, None)
                 if not follow:
                     del counts[key]
+
+
+class Contexts(Protocol):
+    """A request's own contexts, counted (FollowCounts) or searched (History)."""
+
+    def followers(self, length: int, key: int) -> dict[int, int]: ...
 
 
 @dataclass(slots=True)
@@ -239,8 +250,16 @@ class SuffixProposer:
         self.shared_outputs: deque[list[int]] = deque()
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
-        own = self._history(request)
-        tokens = request.token_ids[-self.max_depth:]
+        return self.drafts_from(self._history(request), request.token_ids, max_drafts)
+
+    def sure_draft(self, request: Request) -> list[int]:
+        """The likeliest next token where a context of at least SURE_CONTEXT tokens was
+        followed by it at least SURE_SHARE of the time, else none."""
+        return self.sure_from(self._history(request), request.token_ids)
+
+    def drafts_from(self, own: Contexts, tokens: list[int], max_drafts: int) -> list[int]:
+        """The walk from the end of `tokens` (`own`: what followed their contexts)."""
+        tokens = tokens[-self.max_depth:]
         drafts: list[int] = []
         probability = 1.0
         limit = max_drafts
@@ -258,11 +277,8 @@ class SuffixProposer:
             tokens = [*tokens, token][-self.max_depth:]
         return drafts
 
-    def sure_draft(self, request: Request) -> list[int]:
-        """The likeliest next token where a context of at least SURE_CONTEXT tokens was
-        followed by it at least SURE_SHARE of the time, else none."""
-        tokens = request.token_ids[-self.max_depth:]
-        order, follow = self._longest_context(self._history(request), tokens)
+    def sure_from(self, own: Contexts, tokens: list[int]) -> list[int]:
+        order, follow = self._longest_context(own, tokens[-self.max_depth:])
         if order < SURE_CONTEXT or not follow:
             return []
         token, share = likeliest(follow)
@@ -275,7 +291,7 @@ class SuffixProposer:
         own.catch_up(request.token_ids)
         return own
 
-    def _longest_context(self, own: History, tokens: list[int],
+    def _longest_context(self, own: Contexts, tokens: list[int],
                          ) -> tuple[int, dict[int, int]]:
         """The longest suffix of `tokens` followed by anything, here or in finished
         requests' outputs, and what followed it (both counts added)."""
