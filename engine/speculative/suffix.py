@@ -1,9 +1,9 @@
 """Suffix decoding (vLLM's "suffix" method, after Arctic Inference's SuffixDecoding):
 drafts from how often each token followed the request's latest context in its own prompt
 and output (searched for) and in the outputs of recent finished requests (counted: agents
-repeat themselves across requests). The longest context seen (up to `max_depth` tokens) predicts
-the next token; drafting goes on while the product of those frequencies stays at least
-`min_token_prob`, at most `max_spec_factor` tokens per matched context token.
+repeat themselves across requests). The longest context seen (up to `max_depth` tokens)
+predicts the next token; drafting goes on while the product of those frequencies stays at
+least `min_token_prob`, at most `max_spec_factor` tokens per matched context token.
 
 Contexts are keyed by a polynomial hash modulo 2^64: a collision can only cost a rejected
 draft. Only some context lengths are counted (1-4, 6, 9, 13, 19, 24: `counted_lengths`): the
