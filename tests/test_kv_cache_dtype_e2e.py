@@ -16,7 +16,11 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from common.default_model import resolve_model
-from engine.attention.key_smoothing import CALIBRATION_TOKENS, KeySmoothing
+from engine.attention.key_smoothing import (
+    CALIBRATION_LENGTH,
+    CALIBRATION_SEQUENCES,
+    KeySmoothing,
+)
 from engine.executor.model_runner import ModelRunner, attention_layers
 from engine.weights.loader import load_model
 from tests.launched_server import LaunchedServer
@@ -31,9 +35,10 @@ MAX_TOKENS = 12
 
 def served_key_tables(directory: str) -> list[KeySmoothing]:
     """The tables the server's engine made: a runner on the same weights calibrates the
-    same way (its cache holds the calibration's tokens, as the server's does)."""
+    same way (its cache holds the calibration's texts, as the server's does)."""
     model = load_model(directory, torch.float32, torch.device("cpu"))
-    ModelRunner(model, CALIBRATION_TOKENS // 16, 16, torch.device("cpu"), torch.float32,
+    blocks = CALIBRATION_SEQUENCES * CALIBRATION_LENGTH // 16
+    ModelRunner(model, blocks, 16, torch.device("cpu"), torch.float32,
                 cache_dtype=torch.int8)
     return [layer.key_smoothing for layer in attention_layers(model)]
 

@@ -32,12 +32,12 @@ def as_the_cache_holds(x: torch.Tensor, codes: torch.dtype) -> torch.Tensor:
 
 def keys_as_the_cache_holds(key: torch.Tensor, codes: torch.dtype,
                             smoothing: KeySmoothing) -> torch.Tensor:
-    """transformers' keys [B, kv_heads, T, D] as the cache gives them back, unsmoothed: what
-    the engine's smoothed query reads in them, less a shift that softmax ignores."""
+    """transformers' keys [B, kv_heads, T, D] as the cache gives them back, untransformed:
+    what the engine's transformed query reads in them, less a shift that softmax ignores."""
     tokens_first = key.transpose(1, 2)
-    smoothed = torch.addcmul(smoothing.key_offset, tokens_first, smoothing.key_factor)
-    held = as_the_cache_holds(smoothed, codes)
-    return ((held - smoothing.key_offset) / smoothing.key_factor).transpose(1, 2)
+    rows = tokens_first.reshape(-1, *tokens_first.shape[2:])
+    held = smoothing.keys_back(as_the_cache_holds(smoothing.keys(rows), codes))
+    return held.view(tokens_first.shape).transpose(1, 2)
 
 
 def key_tables(core) -> list[KeySmoothing]:

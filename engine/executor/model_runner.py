@@ -10,9 +10,10 @@ import torch
 
 from engine.attention.forward_context import forward_context
 from engine.attention.key_smoothing import (
-    CALIBRATION_TOKENS,
+    CALIBRATION_LENGTH,
+    CALIBRATION_SEED,
+    CALIBRATION_SEQUENCES,
     KeyStatistics,
-    calibration_tokens,
     fingerprint,
 )
 from engine.attention.quantized_kv import is_quantized, row_width
@@ -190,8 +191,7 @@ class ModelRunner:
         self.kv_caches = [storage[self.layout.place(layer)[1]]
                           for layer in range(model.num_layers)]
         if is_quantized(cache_dtype):
-            self._smooth_keys(min(CALIBRATION_TOKENS, num_blocks * block_size,
-                                  model.config.max_exact_len), dtype)
+            self._calibrate_keys(num_blocks)
         self.forward: Forward = model
         if compiled:
             self.forward = compile_forward(model)
@@ -217,23 +217,35 @@ class ModelRunner:
         return fingerprint([layer.key_smoothing for layer in attention_layers(self.model)])
 
     @torch.inference_mode()
-    def _smooth_keys(self, count: int, dtype: torch.dtype) -> None:
-        """An 8-bit cache's key tables, from one forward over `count` seeded random tokens
-        in blocks no request holds yet (each tensor-parallel rank runs it with rank 0)."""
-        tokens = calibration_tokens(self.model.config.vocab_size, count)
-        blocks = list(range(-(-count // self.block_size)))
-        metadata = self.attention.build_metadata([count], [count], [blocks], list(range(count)),
-                                                 self.device)
+    def _calibrate_keys(self, num_blocks: int) -> None:
+        """An 8-bit cache's key tables (engine.attention.key_smoothing), from the queries and
+        keys of text the model samples itself (seeded), in blocks no request holds yet; each
+        tensor-parallel rank runs it with rank 0 and samples the same tokens."""
+        config = self.model.config
+        length = min(CALIBRATION_LENGTH, config.max_exact_len, num_blocks * self.block_size)
+        blocks_each = -(-length // self.block_size)
+        count = min(CALIBRATION_SEQUENCES, num_blocks // blocks_each)
+        tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(count)]
+        generator = torch.Generator().manual_seed(CALIBRATION_SEED)
+        first = config.bos_token_id if config.bos_token_id is not None \
+            else int(torch.randint(config.vocab_size, (), generator=generator))
+        tokens = [first] * count
         layers = attention_layers(self.model)
         for layer in layers:
             layer.key_smoothing, layer.statistics = None, KeyStatistics()
-        with forward_context([metadata] * self.layout.num_groups, self.attention):
-            self.model(int_tensor(tokens, self.device), int_tensor(list(range(count)), self.device),
-                       self.kv_caches)
+        for position in range(length):
+            slots = [table[position // self.block_size] * self.block_size
+                     + position % self.block_size for table in tables]
+            metadata = self.attention.build_metadata([1] * count, [position + 1] * count,
+                                                     tables, slots, self.device)
+            with forward_context([metadata] * self.layout.num_groups, self.attention):
+                hidden = self.model(int_tensor(tokens, self.device),
+                                    int_tensor([position] * count, self.device), self.kv_caches)
+            logits = self.model.compute_logits(hidden).cpu()
+            tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0].tolist()
         for layer in layers:
             assert layer.statistics is not None
-            layer.key_smoothing = layer.statistics.smoothing(shift=layer.softcap is None,
-                                                             dtype=dtype)
+            layer.key_smoothing = layer.statistics.smoothing(shift=layer.softcap is None)
             layer.statistics = None
 
     @torch.inference_mode()

@@ -60,6 +60,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
     model_type: str = "llama"
     sliding_window: int | None = None  # the attention window transformers applies, if any
     layer_windows: tuple[int | None, ...] = ()  # per layer: its window, None for global ones
@@ -96,6 +97,8 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
+            bos_token_id=config.get("bos_token_id") if isinstance(config.get("bos_token_id"),
+                                                                  int) else None,
             model_type=model_type,
             sliding_window=_sliding_window(config),
             layer_windows=_layer_windows(config),
