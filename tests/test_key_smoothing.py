@@ -89,6 +89,20 @@ def test_a_silent_layer_gets_finite_tables() -> None:
     assert torch.equal(tables.query_matrix, torch.eye(DIM).expand(KV_HEADS, DIM, DIM))
 
 
+def test_a_head_whose_statistics_overflowed_gets_plain_rows() -> None:
+    queries, keys = channel_profile(torch.Generator().manual_seed(2))
+    statistics = KeyStatistics()
+    statistics.observe(queries, keys)
+    assert statistics.query_products is not None
+    statistics.query_products[1, 0, 0] = float("inf")
+    tables = statistics.smoothing(shift=True)
+    for table in (tables.query_matrix, tables.key_matrix, tables.key_offset):
+        assert torch.isfinite(table).all()
+    assert torch.equal(tables.query_matrix[1], torch.eye(DIM))
+    assert torch.equal(tables.key_matrix[1], torch.eye(DIM))
+    assert not torch.equal(tables.query_matrix[0], torch.eye(DIM))
+
+
 def runner_tables(model_dir: Path, cache: torch.dtype, num_blocks: int = 20,
                   ) -> tuple[ModelRunner, list[KeySmoothing | None]]:
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"))

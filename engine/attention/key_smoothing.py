@@ -36,9 +36,12 @@ derive the same tables, and a stored block names the ones it was written with
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 CALIBRATION_SEQUENCES = 8
 CALIBRATION_LENGTH = 64  # tokens of each sampled sequence, its first included
@@ -120,7 +123,14 @@ class KeyStatistics:
         queries = self.query_products.cpu() / self.count
         matrix = torch.stack([balancing_matrix(k, q) for k, q in zip(keys, queries, strict=True)])
         matrix = matrix.to(torch.bfloat16).double()
-        inverse = torch.linalg.inv(matrix)
+        inverse, info = torch.linalg.inv_ex(matrix)
+        failed = (info != 0) | ~torch.isfinite(inverse).flatten(1).all(1)
+        identity = torch.eye(matrix.shape[-1], dtype=matrix.dtype)
+        matrix[failed], inverse[failed] = identity, identity
+        plain = (matrix == identity).all(-1).all(-1)
+        if plain.any() and self.count:
+            logger.warning("8-bit KV keys: %d of %d KV heads keep plain rows (statistics "
+                           "silent, not finite, or not invertible)", int(plain.sum()), len(plain))
         device = self.keys.device
         return KeySmoothing(query_matrix=matrix.float().to(device),
                             key_matrix=inverse.float().to(device),
@@ -129,10 +139,12 @@ class KeyStatistics:
 
 def balancing_matrix(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     """The symmetric A with A Q A = A^-1 K A^-1 (K, Q [D, D] float64, damped), scaled to an
-    RMS eigenvalue of 1; the identity for a layer that saw nothing."""
+    RMS eigenvalue of 1; the identity (plain rotated rows) for a head that saw nothing or
+    whose statistics or result are not finite."""
     dim = keys.shape[0]
     identity = torch.eye(dim, dtype=keys.dtype)
-    if keys.trace() <= 0 or queries.trace() <= 0:
+    finite = torch.isfinite(keys).all() and torch.isfinite(queries).all()
+    if not finite or keys.trace() <= 0 or queries.trace() <= 0:
         return identity
     keys = keys + KEY_DAMPING * keys.trace() / dim * identity
     queries = queries + QUERY_DAMPING * queries.trace() / dim * identity
@@ -141,7 +153,8 @@ def balancing_matrix(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     squared = inverse_root @ square_root(root @ keys @ root) @ inverse_root
     matrix = square_root((squared + squared.T) / 2)
     matrix = (matrix + matrix.T) / 2
-    return matrix / matrix.square().sum().div(dim).sqrt()
+    matrix = matrix / matrix.square().sum().div(dim).sqrt()
+    return matrix if torch.isfinite(matrix).all() else identity
 
 
 def square_root(matrix: torch.Tensor) -> torch.Tensor:
