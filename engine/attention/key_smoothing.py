@@ -123,10 +123,10 @@ class KeyStatistics:
         queries = self.query_products.cpu() / self.count
         matrix = torch.stack([balancing_matrix(k, q) for k, q in zip(keys, queries, strict=True)])
         matrix = matrix.to(torch.bfloat16).double()
-        inverse, info = torch.linalg.inv_ex(matrix)
-        failed = (info != 0) | ~torch.isfinite(inverse).flatten(1).all(1)
+        values = torch.linalg.eigvalsh(matrix)
         identity = torch.eye(matrix.shape[-1], dtype=matrix.dtype)
-        matrix[failed], inverse[failed] = identity, identity
+        matrix[(values <= 0).any(-1) | ~torch.isfinite(values).all(-1)] = identity
+        inverse = torch.stack([power(head, -1.0) for head in matrix])
         plain = (matrix == identity).all(-1).all(-1)
         if plain.any() and self.count:
             logger.warning("8-bit KV keys: %d of %d KV heads keep plain rows (statistics "
@@ -148,18 +148,19 @@ def balancing_matrix(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         return identity
     keys = keys + KEY_DAMPING * keys.trace() / dim * identity
     queries = queries + QUERY_DAMPING * queries.trace() / dim * identity
-    root = square_root(queries)
-    inverse_root = torch.linalg.inv(root)
-    squared = inverse_root @ square_root(root @ keys @ root) @ inverse_root
-    matrix = square_root((squared + squared.T) / 2)
+    root, inverse_root = power(queries, 0.5), power(queries, -0.5)
+    squared = inverse_root @ power(root @ keys @ root, 0.5) @ inverse_root
+    matrix = power((squared + squared.T) / 2, 0.5)
     matrix = (matrix + matrix.T) / 2
     matrix = matrix / matrix.square().sum().div(dim).sqrt()
     return matrix if torch.isfinite(matrix).all() else identity
 
 
-def square_root(matrix: torch.Tensor) -> torch.Tensor:
+def power(matrix: torch.Tensor, exponent: float) -> torch.Tensor:
+    """A symmetric positive semi-definite matrix to a power, through its eigenvectors (no LU:
+    MKL's batched one failed inside the test suite on matrices it inverts alone)."""
     values, vectors = torch.linalg.eigh(matrix)
-    return (vectors * values.clamp_min(0).sqrt()) @ vectors.T
+    return (vectors * values.clamp_min(1e-300).pow(exponent)) @ vectors.T
 
 
 def fingerprint(tables: list[KeySmoothing | None]) -> str:
